@@ -1,0 +1,79 @@
+"""Attention over the paged KV cache for a packed (unpadded) batch.
+
+The runner splits a step into sequences that compute several tokens (prompt chunks,
+prefix-hit tails) and sequences that compute one (decode). Multi-token sequences run one
+SDPA call each; single-token ones share one padded SDPA call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    start: int  # row of the first new token in the packed batch
+    num_tokens: int  # new tokens this step
+    context_len: int  # tokens in the sequence after this step (cached + new)
+    block_table: torch.Tensor  # int64 block ids covering context_len
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat slot for each new token
+    prefills: list[PrefillSpan]
+    decode_rows: torch.Tensor | None  # [B] packed rows of single-token sequences
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor | None  # [B]
+    decode_max_len: int
+    block_size: int
+    sliding_window: int | None = None
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D] (may be strided
+    views). Writes k/v into the cache and returns the attention output [T, H, D]."""
+    bs = meta.block_size
+    blocks, offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
+    out = torch.empty_like(q)
+    kvh, d = k.shape[1], k.shape[2]
+    for span in meta.prefills:
+        s, n, ctx = span.start, span.num_tokens, span.context_len
+        qs = q[s:s + n].transpose(0, 1)
+        if ctx == n and meta.sliding_window is None:
+            # Whole sequence computed in this step: no cache read, plain causal attention.
+            ks, vs = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            ks = k_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)
+            vs = v_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)
+            mask = _window_mask(q_pos, torch.arange(ctx, device=q.device), meta.sliding_window)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        out[s:s + n] = o.transpose(0, 1)
+    if meta.decode_rows is not None:
+        bt, lens, rows = meta.decode_block_tables, meta.decode_context_lens, meta.decode_rows
+        b = bt.shape[0]
+        ks = k_cache[bt].reshape(b, -1, kvh, d)[:, :meta.decode_max_len].transpose(1, 2)
+        vs = v_cache[bt].reshape(b, -1, kvh, d)[:, :meta.decode_max_len].transpose(1, 2)
+        k_pos = torch.arange(meta.decode_max_len, device=q.device)
+        mask = k_pos[None, :] < lens[:, None]
+        if meta.sliding_window is not None:
+            mask &= k_pos[None, :] >= lens[:, None] - meta.sliding_window
+        qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
+        o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], enable_gqa=True)
+        out[rows] = o.squeeze(2)
+    return out

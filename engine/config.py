@@ -1,0 +1,47 @@
+"""Engine configuration: one validated dataclass shared by both pools."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    # KV pool size: an explicit block count wins, else a byte budget.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    # Largest prompt chunk one sequence may compute in a step; None = the whole token budget.
+    prefill_chunk_size: int | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("EngineConfig.model must name a local Hugging Face model folder")
+        self.model = os.fspath(self.model)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "prefill_chunk_size", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and int(value) < 1:
+                raise ValueError(f"{name} must be >= 1 when set, got {value}")
+
+    @property
+    def chunk_size(self) -> int:
+        return min(self.prefill_chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)

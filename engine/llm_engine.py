@@ -1,0 +1,268 @@
+"""LLMEngine: requests in, streamed token outputs out, one scheduler step at a time.
+
+Also the seam used by the transfer layer: a prefill-only request stops after its first
+token with its blocks held for `export_kv`; an importing engine reserves blocks
+(`reserve_import`), has them written (`write_block`), then `commit_import`s the sequence
+into its decode batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.detokenizer import TextStream
+from engine.hashing import hash_blocks
+from engine.kv_cache import KVCache
+from engine.loader import DTYPES, load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineStats, KVExport, KVReservation, RequestOutput
+from engine.sampling_params import InvalidRequestError, SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config.model, config.dtype, config.device)
+        self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.device = torch.device(config.device)
+        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        dtype = DTYPES[config.dtype]
+        per_block = KVCache.bytes_per_block(self.spec, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
+                             f"({per_block} bytes each)")
+        self.kv = KVCache(self.spec, num_blocks, config.block_size, dtype, self.device)
+        self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.bm)
+        self.runner = ModelRunner(self.model, self.kv, self.device)
+        self.runner.seed(config.seed)
+        self.seqs: dict[str, Sequence] = {}
+        self.streams: dict[str, TextStream] = {}
+        self._pending: list[RequestOutput] = []
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            return list(self.tokenizer(prompt).input_ids)
+        return list(prompt)
+
+    def validate(self, token_ids: Seq[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
+                   None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds the "
+                f"model's context length {self.max_model_len}")
+        if self.bm.blocks_needed(total) > self.bm.num_blocks:
+            raise InvalidRequestError(f"request needs {self.bm.blocks_needed(total)} KV blocks; the pool has "
+                                      f"{self.bm.num_blocks}")
+
+    def _new_seq(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None,
+                 prefill_only: bool) -> Sequence:
+        params = params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.seed is None and not params.greedy:
+            # A per-request seed keeps sampling independent of batch composition.
+            params.seed = self._rng.getrandbits(62)
+        seq = Sequence(request_id, token_ids, len(token_ids), params, prefill_only=prefill_only)
+        self.seqs[request_id] = seq
+        self.streams[request_id] = TextStream(self.tokenizer, token_ids, params.stop)
+        return seq
+
+    def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    prefill_only: bool = False) -> str:
+        seq = self._new_seq(request_id, prompt, params, prefill_only)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        self._pending.append(self._output(seq, [], [], ""))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending)
+
+    def _finish(self, seq: Sequence, reason: str | None, stop_reason: str | int | None = None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        if seq.status is not SequenceStatus.PREFILLED:
+            self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.bm.free(seq)
+        del self.seqs[seq.request_id]
+        self.streams.pop(seq.request_id, None)
+
+    def _output(self, seq: Sequence, toks: list[int], lps: list[float], text: str) -> RequestOutput:
+        return RequestOutput(seq.request_id, toks, lps, text, seq.is_finished, seq.finish_reason,
+                             seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_output_tokens,
+                             seq.stop_reason, seq.status is SequenceStatus.PREFILLED)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        self.num_preemptions += len(batch.preempted)
+        if not batch:
+            return outputs
+        sampled, tokens, logprobs, tops = self.runner.execute(batch)
+        for item in batch.scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.bm.cache_full_blocks(item.seq)
+        for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops, strict=True):
+            out = self._append_token(seq, tok, lp)
+            out.new_top_logprobs = [top]
+            outputs.append(out)
+        return outputs
+
+    def _append_token(self, seq: Sequence, tok: int, lp: float) -> RequestOutput:
+        seq.token_ids.append(tok)
+        seq.output_logprobs.append(lp)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        stream = self.streams[seq.request_id]
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            reason, stop = "stop", tok
+        else:
+            stop_str = stream.add([tok])
+            if stop_str is not None:
+                reason, stop = "stop", stop_str
+            elif seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason, stop = "length", None
+            else:
+                reason, stop = None, None
+        if reason is not None:
+            text = stream.take(final=True)
+            self._finish(seq, reason, stop)
+        else:
+            text = stream.take(final=False)
+            if seq.prefill_only:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.PREFILLED
+        return self._output(seq, [tok], [lp], text)
+
+    # ---- convenience -------------------------------------------------------------------------
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[dict]:
+        """Run prompts to completion; returns dicts with token_ids, text, logprobs, finish_reason."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.add_request(None, p, SamplingParams(**_fields(sp)) if sp else None)
+               for p, sp in zip(prompts, plist, strict=True)]
+        results = {i: {"token_ids": [], "text": "", "logprobs": [], "top_logprobs": [], "finish_reason": None,
+                       "num_cached_tokens": 0} for i in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                r = results[out.request_id]
+                r["token_ids"] += out.new_token_ids
+                r["logprobs"] += out.new_logprobs
+                r["top_logprobs"] += out.new_top_logprobs
+                r["text"] += out.text_delta
+                r["num_cached_tokens"] = out.num_cached_tokens
+                if out.finished:
+                    r["finish_reason"] = out.finish_reason
+        return [results[i] for i in ids]
+
+    # ---- KV export / import ------------------------------------------------------------------
+    def export_kv(self, request_id: str, skip_blocks: int = 0) -> KVExport:
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.status is not SequenceStatus.PREFILLED:
+            raise KeyError(f"request {request_id!r} has no prefilled KV to export")
+        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        hashes = hash_blocks(prompt, self.bm.block_size, seq.block_hashes[:len(prompt) // self.bm.block_size])
+        n_blocks = self.bm.blocks_needed(len(prompt))
+        ids = seq.block_table[skip_blocks:n_blocks]
+        return KVExport(request_id, prompt, hashes, ids, [self.kv.block(b) for b in ids],
+                        seq.token_ids[seq.num_prompt_tokens], seq.output_logprobs[0], skip_blocks)
+
+    def release(self, request_id: str) -> None:
+        """Drop a prefilled request once its KV has been shipped; its blocks stay in the prefix cache."""
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, seq.finish_reason)
+
+    def reserve_import(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
+                       reserve_tokens: int | None = None) -> KVReservation | None:
+        """Set aside blocks for an incoming prefilled sequence; None when the pool is too full.
+
+        Leading blocks already cached here (same hash chain, same tokens) are shared, not resent.
+        `reserve_tokens` allocates room for growth up front (prompt + max_tokens) so the
+        sequence can never be preempted once admitted."""
+        seq = self._new_seq(request_id, list(prompt_ids), params, prefill_only=False)
+        bs = self.bm.block_size
+        seq.block_hashes = hash_blocks(seq.token_ids, bs)
+        held = self.bm._lookup(seq.block_hashes, seq.token_ids) if self.bm.enable_prefix_caching else []
+        n_total = self.bm.blocks_needed(max(reserve_tokens or 0, len(seq.token_ids)))
+        self.bm.acquire(held)
+        new = self.bm.allocate_blocks(n_total - len(held))
+        if new is None:
+            self.bm.free_blocks(held)
+            del self.seqs[request_id]
+            self.streams.pop(request_id, None)
+            return None
+        seq.block_table = held + new
+        seq.num_cached_tokens = len(held) * bs
+        seq.num_registered_blocks = len(held)
+        return KVReservation(request_id, list(seq.block_table), len(held), list(seq.block_hashes))
+
+    def write_block(self, block_id: int, buffer: torch.Tensor) -> None:
+        self.kv.write_block(block_id, buffer)
+
+    def commit_import(self, request_id: str, first_token: int, first_logprob: float) -> RequestOutput | None:
+        """All blocks landed and passed their checks: the sequence joins the decode batch.
+        Returns a final output if the first token already ends the request."""
+        seq = self.seqs[request_id]
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.bm.cache_full_blocks(seq)
+        out = self._append_token(seq, first_token, first_logprob)
+        if not out.finished:
+            self.scheduler.add_running(seq)
+            return None
+        return out
+
+    def cancel_import(self, request_id: str) -> None:
+        """Drop a reservation whose transfer failed; its blocks go back to the free list."""
+        seq = self.seqs.get(request_id)
+        if seq is not None:
+            self._finish(seq, "abort")
+
+    def stats(self) -> EngineStats:
+        bm = self.bm
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_blocks,
+                           bm.num_used_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.usage,
+                           bm.prefix_queries, bm.prefix_hits, self.num_preemptions)
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {f: getattr(p, f) for f in SamplingParams.__slots__}

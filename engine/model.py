@@ -1,0 +1,125 @@
+"""Compact decoder-only transformer covering Llama, Mistral, Qwen2 and Qwen3.
+
+The differences between the families are flags: q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), sliding-window attention (Mistral). Projections are fused (qkv,
+gate+up) so each layer issues four GEMMs. The engine owns the KV cache and attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    hidden_act: str = "silu"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers' LlamaRMSNorm: fp32 statistics, then scale.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, act) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
+        self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=spec.o_bias)
+        self.gate_up_proj = nn.Linear(h, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, h, bias=spec.mlp_bias)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.act = act
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        residual = x
+        x = self.input_layernorm(x)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+        x = residual + self.o_proj(attn.reshape(t, self.q_size))
+        residual = x
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return residual + self.down_proj(self.act(gate) * up)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.spec = spec
+        act = ACT2FN[spec.hidden_act]
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, act) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # cos/sin tables in fp32, like transformers' rotary embedding, cast at lookup.
+        pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin_table", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos = self.cos_table[positions].to(x.dtype).unsqueeze(1)
+        sin = self.sin_table[positions].to(x.dtype).unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,100 @@
+"""Turns a scheduler decision into tensors, runs one packed forward pass, samples.
+
+Only this module builds tensors. Logits are computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.kv_cache import KVCache
+from engine.model import DecoderModel
+from engine.sampler import sample
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+
+_MASK64 = (1 << 63) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """Seed for the index-th output token: sampling depends on (seed, position) only, so a
+    request draws the same tokens whether or not it moved between engines or was preempted."""
+    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) & _MASK64
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+        self.sliding_window = model.spec.sliding_window
+        self._generator = torch.Generator(device=device)
+
+    def _metadata(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        prefills: list[PrefillSpan] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        sample_rows: list[int] = []
+        row = 0
+        for item in batch.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            ctx = start + n
+            ids.extend(seq.token_ids[start:ctx])
+            pos = torch.arange(start, ctx)
+            table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                dec_rows.append(row)
+                dec_tables.append(seq.block_table[: -(-ctx // bs)])
+                dec_lens.append(ctx)
+            else:
+                prefills.append(PrefillSpan(row, n, ctx, table.to(self.device)))
+            row += n
+            if item.samples:
+                sample_rows.append(row - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev), prefills=prefills, decode_rows=None,
+            decode_block_tables=None, decode_context_lens=None, decode_max_len=0, block_size=bs,
+            sliding_window=self.sliding_window)
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in dec_tables]
+            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
+            meta.decode_context_lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
+            meta.decode_max_len = max(dec_lens)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, torch.cat(positions).to(dev), meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: SchedulerOutput
+                ) -> tuple[list[Sequence], list[int], list[float], list[dict[int, float] | None]]:
+        """Run the step; return the sequences that sampled, their tokens, logprobs and top logprobs."""
+        input_ids, positions, meta, sample_rows = self._metadata(batch)
+        hidden = self.model(input_ids, positions, self.kv.layers, meta)
+        sampled = [item.seq for item in batch.scheduled if item.samples]
+        if not sampled:
+            return [], [], [], []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        generators: list[torch.Generator | None] = []
+        for seq in sampled:
+            if seq.params.greedy or seq.params.seed is None:
+                generators.append(None if seq.params.greedy else self._generator)
+                continue
+            g = torch.Generator(device=self.device)
+            g.manual_seed(token_seed(seq.params.seed, seq.num_output_tokens))
+            generators.append(g)
+        return (sampled, *sample(logits, [s.params for s in sampled], generators))
+
+    def seed(self, seed: int) -> None:
+        self._generator.manual_seed(seed)

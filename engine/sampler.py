@@ -1,0 +1,47 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request generators.
+
+Each random row draws with its own request's torch.Generator, so a seeded request
+gets the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token once the mass before it already reaches top_p; the first always stays.
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+           ) -> tuple[list[int], list[float], list[dict[int, float] | None]]:
+    """logits: [B, V] float32. Returns the sampled ids, their logprobs under the raw model
+    distribution (before temperature and filtering, as vLLM reports them) and, for rows that
+    ask, the top-n alternatives."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.argmax(logits, dim=-1)
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(row, dim=-1)
+        tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).item()
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    top: list[dict[int, float] | None] = [None] * len(params)
+    for i, p in enumerate(params):
+        if p.logprobs:
+            vals, idx = torch.topk(logprobs[i], p.logprobs)
+            top[i] = dict(zip(idx.tolist(), vals.tolist(), strict=True))
+    return tokens.tolist(), chosen.tolist(), top

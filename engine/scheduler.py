@@ -1,0 +1,115 @@
+"""Continuous-batching scheduler. It never touches tensors: it decides, per step, how many
+new tokens each sequence computes under the token budget and returns a plain description.
+
+Running sequences go first (decode tokens, continuing prompt chunks), then waiting ones in
+arrival order. When the pool runs dry, the newest running sequence is preempted: its blocks
+are freed and it re-enters the queue to be recomputed (by the same catch-up rule).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, yielding logits."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose blocks are already in place (imported KV) joins the batch directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk = self.config.chunk_size
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens_to_compute, chunk, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+        preempted_now = bool(out.preempted)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not preempted_now:
+            seq = self.waiting[0]
+            computed = self.bm.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
+            cached = len(computed) * self.bm.block_size
+            n = min(len(seq.token_ids) - max(seq.num_computed_tokens, cached), chunk, budget)
+            if not self.bm.allocate_slots(seq, n, computed):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out

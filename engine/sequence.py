@@ -1,0 +1,59 @@
+"""A request as the scheduler sees it: tokens, progress, and the blocks it owns."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    # Prefill-only request whose first token is out; its blocks wait to be exported.
+    PREFILLED = "prefilled"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    prefill_only: bool = False
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    # The catch-up rule: the runner computes tokens until num_computed_tokens == len(token_ids).
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks
+    num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

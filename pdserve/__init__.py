@@ -1,0 +1,1 @@
+"""pdserve: CLI, launchers and the generated public API (pdserve.v1)."""

@@ -1,0 +1,192 @@
+"""Engine output equals transformers' generate over batching, chunking, block sizes, prefix
+caching and a KV export/import between two engine instances."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.conftest import check_close, hf_greedy
+
+LENGTHS = [1, 2, 5, 17, 33, 100, 250, 480]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def story_ids(stories_path) -> list[int]:
+    """A long natural story (the model's own greedy continuation) to cut prompts from."""
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    ids = eng.tokenize("Once upon a time")
+    out = eng.generate([ids], SamplingParams(max_tokens=500 - len(ids), temperature=0, ignore_eos=True))[0]
+    return ids + out["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def story_refs(stories_path, story_ids) -> dict[int, dict]:
+    return {n: hf_greedy(stories_path, story_ids[:n], MAX_NEW) for n in LENGTHS}
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=5, **kw)
+
+
+def test_once_upon_a_time(stories_path):
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    out = eng.generate(["Once upon a time"], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert out["text"].startswith(", there was a little girl named Lily. She loved to play outside in the park")
+    ids = eng.tokenize("Once upon a time")
+    assert out["token_ids"] == hf_greedy(stories_path, ids, 30)["token_ids"]
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("chunk", [1, 7, 64, None])
+def test_mixed_batch_matches_hf(stories_path, story_ids, story_refs, block_size, chunk):
+    cfg = EngineConfig(model=stories_path, block_size=block_size, prefill_chunk_size=chunk,
+                       max_num_batched_tokens=512 if chunk is None else 256)
+    eng = LLMEngine(cfg)
+    outs = eng.generate([story_ids[:n] for n in LENGTHS], greedy())
+    for n, out in zip(LENGTHS, outs, strict=True):
+        ref = story_refs[n]
+        assert out["token_ids"] == ref["token_ids"], f"prompt len {n}"
+        assert abs(out["logprobs"][0] - ref["logprobs"][0]) < 1e-4
+    assert eng.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prefix_cache_warm(stories_path, story_ids, block_size):
+    eng = LLMEngine(EngineConfig(model=stories_path, block_size=block_size, max_num_batched_tokens=128))
+    system = story_ids[:200]
+    eng.generate([system + story_ids[300:310]], greedy())  # warm-up
+    prompts = [system + story_ids[300 + 7 * i: 300 + 7 * i + 5 + i] for i in range(6)]
+    outs = eng.generate(prompts, greedy())
+    for p, out in zip(prompts, outs, strict=True):
+        assert out["num_cached_tokens"] >= 200 - block_size
+        assert out["token_ids"] == hf_greedy(stories_path, p, MAX_NEW)["token_ids"]
+    st = eng.stats()
+    assert st.prefix_hits > 0 and st.used_blocks == 0
+
+
+def test_tiny_pool_preempts_and_recomputes(stories_path, story_ids, story_refs):
+    eng = LLMEngine(EngineConfig(model=stories_path, block_size=16, num_kv_blocks=24, max_num_batched_tokens=128,
+                                 enable_prefix_caching=False))
+    lens = [100, 250, 17, 33]
+    outs = eng.generate([story_ids[:n] for n in lens], greedy())
+    for n, out in zip(lens, outs, strict=True):
+        assert out["token_ids"] == story_refs[n]["token_ids"]
+    assert eng.num_preemptions > 0
+    assert eng.stats().used_blocks == 0
+
+
+def transfer(src: LLMEngine, dst: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    """The prefill/decode split in miniature: copy the prefilled blocks between engines."""
+    res = dst.reserve_import(rid, prompt, params)
+    assert res is not None
+    exp = src.export_kv(rid, skip_blocks=res.num_held_blocks)
+    assert exp.block_hashes == res.block_hashes
+    for bid, buf in zip(res.missing_block_ids, exp.buffers, strict=True):
+        dst.write_block(bid, buf.clone())
+    src.release(rid)
+    assert dst.commit_import(rid, exp.first_token, exp.first_logprob) is None
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_kv_export_import(stories_path, story_ids, story_refs, block_size):
+    cfg = EngineConfig(model=stories_path, block_size=block_size, max_num_batched_tokens=256)
+    pre, dec = LLMEngine(cfg), LLMEngine(cfg)
+    lens = [5, 33, 250, 480]
+    firsts = {}
+    for n in lens:
+        pre.add_request(f"r{n}", story_ids[:n], greedy(), prefill_only=True)
+    while pre.has_unfinished():
+        for out in pre.step():
+            assert out.prefilled and not out.finished
+            firsts[out.request_id] = out.new_token_ids
+    for n in lens:
+        transfer(pre, dec, f"r{n}", story_ids[:n], greedy())
+    got = {f"r{n}": list(firsts[f"r{n}"]) for n in lens}
+    while dec.has_unfinished():
+        for out in dec.step():
+            got[out.request_id] += out.new_token_ids
+    for n in lens:
+        assert got[f"r{n}"] == story_refs[n]["token_ids"]
+    assert pre.stats().used_blocks == 0 and dec.stats().used_blocks == 0
+    assert pre.stats().cached_blocks > 0  # prefill keeps its prefix cache after shipping
+
+
+def test_kv_import_skips_blocks_the_receiver_holds(stories_path, story_ids, story_refs):
+    cfg = EngineConfig(model=stories_path, block_size=16)
+    pre, dec = LLMEngine(cfg), LLMEngine(cfg)
+    # The decode side computes KV for 100 + 23 tokens of the same story: 7 full blocks it can reuse.
+    dec.generate([story_ids[:100]], greedy())
+    pre.add_request("x", story_ids[:250], greedy(), prefill_only=True)
+    first = [o.new_token_ids for o in pre.step()][0]
+    res = dec.reserve_import("x", story_ids[:250], greedy())
+    assert res.num_held_blocks == (100 + MAX_NEW - 1) // 16
+    exp = pre.export_kv("x", skip_blocks=res.num_held_blocks)
+    assert len(exp.buffers) == 16 - res.num_held_blocks
+    for bid, buf in zip(res.missing_block_ids, exp.buffers, strict=True):
+        dec.write_block(bid, buf)
+    pre.release("x")
+    dec.commit_import("x", exp.first_token, exp.first_logprob)
+    toks = list(first)
+    while dec.has_unfinished():
+        for o in dec.step():
+            toks += o.new_token_ids
+    assert toks == story_refs[250]["token_ids"]
+
+
+def test_export_round_trip_is_lossless(stories_path, story_ids):
+    cfg = EngineConfig(model=stories_path, block_size=16)
+    a, b = LLMEngine(cfg), LLMEngine(cfg)
+    a.add_request("q", story_ids[:70], greedy(), prefill_only=True)
+    a.step()
+    res = b.reserve_import("q", story_ids[:70], greedy())
+    exp = a.export_kv("q")
+    for bid, buf in zip(res.missing_block_ids, exp.buffers, strict=True):
+        b.write_block(bid, buf)
+    for src, dst in zip(exp.block_ids, res.block_ids, strict=True):
+        assert torch.equal(a.kv.block(src), b.kv.block(dst))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("block_size,chunk", [(1, 7), (16, None), (16, 64)])
+def test_random_families_match_hf(random_models, arch, block_size, chunk):
+    path = random_models[arch]
+    g = torch.Generator().manual_seed(7)
+    lens = [1, 9, 40, 130, 300]
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
+    eng = LLMEngine(EngineConfig(model=path, block_size=block_size, prefill_chunk_size=chunk,
+                                 max_num_batched_tokens=256))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=16, temperature=0, logprobs=5))
+    for p, out in zip(prompts, outs, strict=True):
+        ref = hf_greedy(path, p, 16)
+        check_close(ref, out, f"{arch} len {len(p)}")
+        assert abs(out["logprobs"][0] - ref["logprobs"][0]) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_random_families_prefix_and_transfer(random_models, arch):
+    path = random_models[arch]
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(3, 512, (90,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 512, (5 + i,), generator=g).tolist() for i in range(3)]
+    cfg = EngineConfig(model=path, block_size=16)
+    pre, dec = LLMEngine(cfg), LLMEngine(cfg)
+    pre.generate([system + [5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))  # warm
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
+    for i, p in enumerate(prompts):
+        pre.add_request(f"p{i}", p, params, prefill_only=True)
+    got = {}
+    while pre.has_unfinished():
+        for out in pre.step():
+            assert out.num_cached_tokens >= 80
+            got[out.request_id] = {"token_ids": out.new_token_ids, "top_logprobs": out.new_top_logprobs}
+    for i, p in enumerate(prompts):
+        transfer(pre, dec, f"p{i}", p, params)
+    while dec.has_unfinished():
+        for out in dec.step():
+            got[out.request_id]["token_ids"] += out.new_token_ids
+            got[out.request_id]["top_logprobs"] += out.new_top_logprobs
+    for i, p in enumerate(prompts):
+        check_close(hf_greedy(path, p, 12), got[f"p{i}"], f"{arch} transfer {i}")
