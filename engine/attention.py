@@ -52,18 +52,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kvh, d = k.shape[1], k.shape[2]
     for span in meta.prefills:
         s, n, ctx = span.start, span.num_tokens, span.context_len
-        qs = q[s:s + n].transpose(0, 1)
+        # 4-D [1, heads, tokens, dim]: the layout the fused (flash) SDPA kernels take; 3-D falls
+        # back to the unfused math path, several times slower on long prompts.
+        qs = q[s:s + n].transpose(0, 1)[None]
         if ctx == n and meta.sliding_window is None:
             # Whole sequence computed in this step: no cache read, plain causal attention.
-            ks, vs = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
+            ks, vs = k[s:s + n].transpose(0, 1)[None], v[s:s + n].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ks = k_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)
-            vs = v_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)
+            ks = k_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+            vs = v_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
             q_pos = torch.arange(ctx - n, ctx, device=q.device)
             mask = _window_mask(q_pos, torch.arange(ctx, device=q.device), meta.sliding_window)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-        out[s:s + n] = o.transpose(0, 1)
+        out[s:s + n] = o[0].transpose(0, 1)
     if meta.decode_rows is not None:
         bt, lens, rows = meta.decode_block_tables, meta.decode_context_lens, meta.decode_rows
         b = bt.shape[0]

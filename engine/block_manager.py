@@ -107,9 +107,12 @@ class BlockManager:
         return bid
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: Seq[int] = ()) -> bool:
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        """num_new_tokens counts tokens past the computed ones (and past `computed` hits)."""
+        done = len(computed) * self.block_size if computed else seq.num_computed_tokens
+        need = self.blocks_needed(done + num_new_tokens) - len(seq.block_table) - len(computed)
+        # Hits sitting in the free queue (ref 0) are taken out of it too.
         reusable = sum(1 for b in computed if self.blocks[b].ref_cnt == 0)
-        return need - len(computed) + reusable <= len(self.free_queue)
+        return max(need, 0) + reusable <= len(self.free_queue)
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed: Seq[int] = ()) -> bool:
         """Make `seq.block_table` cover num_computed_tokens + num_new_tokens tokens.

@@ -141,21 +141,25 @@ def _fused_weights(state: dict[str, torch.Tensor], spec: ModelSpec, path: Path) 
                 return state[key]
         raise ModelLoadError(f"weights in {path} lack tensor {name!r}")
 
+    def t(w: torch.Tensor) -> torch.Tensor:  # engine Linear layers keep W as [in, out]
+        return w.t().contiguous()
+
     out = {"embed_tokens.weight": take("embed_tokens.weight"), "norm.weight": take("norm.weight")}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = state.get("lm_head.weight", out["embed_tokens.weight"])
+        out["lm_head.weight_t"] = t(state.get("lm_head.weight", out["embed_tokens.weight"]))
     for i in range(spec.num_layers):
         p = f"layers.{i}."
         out[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
         out[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-        out[p + "qkv_proj.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        out[p + "qkv_proj.weight_t"] = t(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
         if spec.qkv_bias:
             out[p + "qkv_proj.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        out[p + "o_proj.weight"] = take(p + "self_attn.o_proj.weight")
+        out[p + "o_proj.weight_t"] = t(take(p + "self_attn.o_proj.weight"))
         if spec.o_bias:
             out[p + "o_proj.bias"] = take(p + "self_attn.o_proj.bias")
-        out[p + "gate_up_proj.weight"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        out[p + "down_proj.weight"] = take(p + "mlp.down_proj.weight")
+        out[p + "gate_up_proj.weight_t"] = t(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                         take(p + "mlp.up_proj.weight")]))
+        out[p + "down_proj.weight_t"] = t(take(p + "mlp.down_proj.weight"))
         if spec.mlp_bias:
             out[p + "gate_up_proj.bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
             out[p + "down_proj.bias"] = take(p + "mlp.down_proj.bias")
@@ -202,11 +206,8 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> Loade
         missing, _ = net.load_state_dict(weights, strict=False, assign=True)
     except RuntimeError as e:
         raise ModelLoadError(f"weights in {path} do not match config.json: {e}") from e
-    missing = [m for m in missing if m != "lm_head.weight" or not spec.tie_word_embeddings]
     if missing:
         raise ModelLoadError(f"weights in {path} lack tensors: {missing[:5]}")
-    if spec.tie_word_embeddings:
-        net.lm_head.weight = net.embed_tokens.weight
     net.cos_table = net.sin_table = torch.empty(0)
     net = net.to(device=dev, dtype=DTYPES[dtype]).eval()
     # Rope tables stay fp32 (as in transformers) and are rebuilt here: meta tensors hold no data.

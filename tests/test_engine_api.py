@@ -1,0 +1,183 @@
+"""Sampling, stop conditions, detokenization and clear errors for bad input or bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import EngineConfig, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer, TextStream
+from engine.loader import load_tokenizer, resolve_model_path
+from engine.sampler import sample
+
+
+@pytest.fixture(scope="module")
+def eng(stories_path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=stories_path))
+
+
+def test_seeded_sampling_is_batch_independent(eng):
+    p = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    alone = eng.generate(["Once upon a time"], p)[0]["token_ids"]
+    others = [SamplingParams(max_tokens=20, temperature=1.3, seed=s) for s in range(5)]
+    batch = eng.generate(["Tom had a", "Once upon a time", "The sun", "A cat", "Mia", "Big"],
+                         [others[0], p, *others[1:]])
+    assert batch[1]["token_ids"] == alone
+    assert len({tuple(b["token_ids"]) for b in batch}) > 1
+
+
+def test_seeded_row_alone_and_in_batch_draws_same_token():
+    g = torch.Generator().manual_seed(0)
+    row = torch.randn(1, 512, generator=g)
+    batch = torch.cat([torch.randn(3, 512, generator=g), row, torch.randn(2, 512, generator=g)])
+    p = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=99)
+    others = [SamplingParams(temperature=1.0, seed=i) for i in range(5)]
+
+    def gen(seed):
+        return torch.Generator().manual_seed(seed)
+
+    alone, _, _ = sample(row, [p], [gen(99)])
+    params = others[:3] + [p] + others[3:]
+    gens = [gen(i) for i in range(3)] + [gen(99)] + [gen(i) for i in range(3, 5)]
+    together, _, _ = sample(batch, params, gens)
+    assert together[3] == alone[0]
+
+
+def test_top_k_one_equals_greedy(eng):
+    greedy = eng.generate(["Once upon a time"], SamplingParams(max_tokens=15, temperature=0))[0]
+    topk1 = eng.generate(["Once upon a time"], SamplingParams(max_tokens=15, temperature=1.5, top_k=1, seed=3))[0]
+    assert greedy["token_ids"] == topk1["token_ids"]
+
+
+def test_stop_strings_and_ids(eng):
+    base = eng.generate(["Once upon a time"], SamplingParams(max_tokens=30, temperature=0))[0]
+    assert "Lily" in base["text"]
+    out = eng.generate(["Once upon a time"], SamplingParams(max_tokens=30, temperature=0, stop=["Lily"]))[0]
+    assert out["finish_reason"] == "stop" and out["text"] == base["text"][: base["text"].index("Lily")]
+    stop_id = base["token_ids"][5]
+    out = eng.generate(["Once upon a time"], SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[stop_id]))[0]
+    assert out["token_ids"] == base["token_ids"][:6] and out["finish_reason"] == "stop"
+    assert base["finish_reason"] == "length" and len(base["token_ids"]) == 30
+
+
+def test_eos_from_generation_config(eng):
+    assert set(eng.eos_token_ids) >= {1, 2}
+
+
+def test_streamed_text_equals_full_decode(eng):
+    eng.add_request("s", "Once upon a time", SamplingParams(max_tokens=50, temperature=0))
+    text, ids = "", []
+    while eng.has_unfinished():
+        for o in eng.step():
+            text += o.text_delta
+            ids += o.new_token_ids
+    assert text == eng.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_detokenizer_never_splits_multibyte_chars(stories_path):
+    tok = load_tokenizer(resolve_model_path(stories_path))
+    text = "Lily saw é, ü, 世界 and 😀 in the park."
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(ids) > len(text.encode()) // 2  # byte fallback really splits characters here
+    d = IncrementalDetokenizer(tok, [1])
+    chunks = [d.add([i]) for i in ids] + [d.flush()]
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_spanning_tokens_is_never_streamed(stories_path):
+    tok = load_tokenizer(resolve_model_path(stories_path))
+    ids = tok("the little girl named Lily", add_special_tokens=False).input_ids
+    ts = TextStream(tok, [1], stop=["girl named"])
+    streamed = ""
+    for i in ids:
+        hit = ts.add([i])
+        streamed += ts.take(final=hit is not None)
+        if hit:
+            break
+    assert hit == "girl named" and streamed == "the little "
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"), ({"top_k": -3}, "top_k"), ({"seed": -1}, "seed"), ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"temperature": float("nan")}, "temperature"),
+    ({"logprobs": 50}, "logprobs"),
+])
+def test_bad_sampling_params(kw, field):
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**kw)
+
+
+def test_bad_requests(eng):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        eng.add_request(None, "", SamplingParams())
+    with pytest.raises(InvalidRequestError, match="empty"):
+        eng.add_request(None, [], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="context length 512"):
+        eng.add_request(None, [1] * 500, SamplingParams(max_tokens=20))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        eng.add_request(None, [1, 9999], SamplingParams())
+    eng.add_request("dup", "hi", SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        eng.add_request("dup", "hi", SamplingParams())
+    assert eng.abort_request("dup")
+    outs = eng.step()
+    assert any(o.request_id == "dup" and o.finish_reason == "abort" for o in outs)
+    assert eng.stats().used_blocks == 0
+
+
+def test_abort_mid_stream_frees_blocks(eng):
+    eng.add_request("a", "Once upon a time", SamplingParams(max_tokens=100, temperature=0))
+    for _ in range(5):
+        eng.step()
+    assert eng.stats().used_blocks > 0
+    eng.abort_request("a")
+    eng.step()
+    assert eng.stats().used_blocks == 0 and not eng.has_unfinished()
+
+
+def copy_model(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    for f in dst.iterdir():
+        f.chmod(0o644)
+    return str(dst)
+
+
+def test_load_errors(stories_path, tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "nope")))
+    m = copy_model(stories_path, tmp_path / "m1")
+    cfg = json.loads((tmp_path / "m1" / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "m1" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        LLMEngine(EngineConfig(model=m))
+    m = copy_model(stories_path, tmp_path / "m2")
+    (tmp_path / "m2" / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ModelLoadError, match="corrupt weights"):
+        LLMEngine(EngineConfig(model=m))
+    m = copy_model(stories_path, tmp_path / "m3")
+    (tmp_path / "m3" / "config.json").unlink()
+    with pytest.raises(ModelLoadError, match="missing config.json"):
+        LLMEngine(EngineConfig(model=m))
+    m = copy_model(stories_path, tmp_path / "m4")
+    (tmp_path / "m4" / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="corrupt config.json"):
+        LLMEngine(EngineConfig(model=m))
+    with pytest.raises(ModelLoadError, match="CUDA"):
+        if torch.cuda.is_available():
+            raise ModelLoadError("CUDA present; skip")
+        LLMEngine(EngineConfig(model=stories_path, device="cuda"))
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(model=stories_path, dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_dtypes_run(stories_path, dtype):
+    eng = LLMEngine(EngineConfig(model=stories_path, dtype=dtype))
+    out = eng.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert len(out["token_ids"]) == 8 and eng.kv.data.dtype == getattr(torch, dtype)
