@@ -234,7 +234,8 @@ class LLMEngine:
         seq.block_table = held + new
         seq.num_cached_tokens = len(held) * bs
         seq.num_registered_blocks = len(held)
-        return KVReservation(request_id, list(seq.block_table), len(held), list(seq.block_hashes))
+        return KVReservation(request_id, list(seq.block_table), len(held), self.bm.blocks_needed(len(seq.token_ids)),
+                             list(seq.block_hashes))
 
     def write_block(self, block_id: int, buffer: torch.Tensor) -> None:
         self.kv.write_block(block_id, buffer)

@@ -43,13 +43,15 @@ class KVReservation:
     """Blocks an importing engine set aside for one incoming sequence."""
 
     request_id: str
-    block_ids: list[int]  # the whole block table
+    block_ids: list[int]  # the whole block table, room to grow included
     num_held_blocks: int  # leading blocks already present (prefix hits), not to be written
+    num_prompt_blocks: int  # blocks the prompt's KV fills
     block_hashes: list[int] = field(default_factory=list)
 
     @property
     def missing_block_ids(self) -> list[int]:
-        return self.block_ids[self.num_held_blocks:]
+        """The blocks an incoming transfer must fill."""
+        return self.block_ids[self.num_held_blocks:self.num_prompt_blocks]
 
 
 @dataclass(slots=True)

@@ -1,0 +1,28 @@
+"""Run one decode worker until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+
+from decode_worker.service import DecodeService, add_to_server
+from pdserve.config import ClusterConfig
+from pdserve.runtime.worker_server import WorkerRuntime
+from transfer import make_receiver
+
+
+async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: asyncio.Event | None = None,
+                started: asyncio.Future | None = None) -> None:
+    rt = WorkerRuntime(cfg, "decode", worker_id, router_address)
+    pool = cfg.decode
+    receiver = make_receiver(cfg.transfer.transport, host=pool.host, port=pool.transfer_port,
+                             advertise_host=pool.advertise_host)
+    rt.transfer_address = receiver.address
+    service = DecodeService(rt, receiver)
+    try:
+        await rt.start(lambda server: add_to_server(server, service))
+        if started is not None and not started.done():
+            started.set_result(rt.address)
+        await (stop or asyncio.Event()).wait()
+    finally:
+        await rt.stop()
+        service.close()

@@ -1,0 +1,98 @@
+"""What both worker pools share: building the engine, the gRPC server, registration with the
+router and heartbeats (the same under Ray and Kubernetes)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from engine import EngineConfig, LLMEngine
+from pdserve.config import ClusterConfig
+from pdserve.runtime.convert import stats_to_proto
+from pdserve.runtime.engine_loop import EngineLoop
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wrpc
+
+log = logging.getLogger(__name__)
+
+
+class WorkerRuntime:
+    def __init__(self, cfg: ClusterConfig, role: str, worker_id: str, router_address: str) -> None:
+        self.cfg, self.role, self.worker_id, self.router_address = cfg, role, worker_id, router_address
+        self.pool = cfg.pool(role)
+        self.engine: LLMEngine | None = None
+        self.loop_: EngineLoop | None = None
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self.transfer_address = ""
+        self.inflight = 0
+        self.served = 0
+        self.reserved_blocks = 0
+        self.state = "active"
+        self._hb_task: asyncio.Task | None = None
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        assert self.loop_ is not None
+        return self.loop_
+
+    async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> None:
+        loop = asyncio.get_running_loop()
+        ecfg = EngineConfig(**self.cfg.engine_kwargs(self.role))
+        # Loading takes seconds: keep the event loop free meanwhile.
+        self.engine = await loop.run_in_executor(None, LLMEngine, ecfg)
+        self.loop_ = EngineLoop(self.engine, loop)
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        add_servicer(self.server)
+        port = self.server.add_insecure_port(f"{self.pool.host}:{self.pool.port}")
+        await self.server.start()
+        self.address = f"{self.pool.advertise_host or self.pool.host}:{port}"
+        self._hb_task = asyncio.create_task(self._heartbeat())
+        log.info("%s worker %s serving on %s", self.role, self.worker_id, self.address)
+
+    def status(self, started: float | None = None):
+        st = self.engine_loop.stats
+        return stats_to_proto(self.worker_id, self.role, self.address, self.state, st, inflight=self.inflight,
+                              requests_served=self.served, reserved_blocks=self.reserved_blocks)
+
+    def info(self) -> wpb.WorkerInfo:
+        assert self.engine is not None
+        return wpb.WorkerInfo(worker_id=self.worker_id, role=self.role, address=self.address,
+                              transfer_address=self.transfer_address, num_blocks=self.engine.bm.num_blocks,
+                              block_size=self.engine.bm.block_size, model=self.cfg.model)
+
+    async def _heartbeat(self) -> None:
+        interval = self.cfg.heartbeat.interval_s
+        registered = False
+        async with grpc.aio.insecure_channel(self.router_address) as channel:
+            stub = wrpc.ControlStub(channel)
+            while True:
+                t0 = time.monotonic()
+                try:
+                    if not registered:
+                        reply = await stub.Register(self.info(), timeout=max(interval, 1.0))
+                        registered = reply.accepted
+                        if not reply.accepted:
+                            log.error("router refused %s: %s", self.worker_id, reply.message)
+                    if registered:
+                        hb = await stub.Heartbeat(wpb.HeartbeatRequest(worker_id=self.worker_id, status=self.status()),
+                                                  timeout=max(interval, 1.0))
+                        registered = hb.known
+                        if hb.drain:
+                            self.state = "draining"
+                except grpc.aio.AioRpcError as e:
+                    registered = False
+                    log.debug("heartbeat to %s failed: %s", self.router_address, e.code())
+                await asyncio.sleep(max(interval - (time.monotonic() - t0), 0.01))
+
+    async def stop(self) -> None:
+        if self._hb_task:
+            self._hb_task.cancel()
+        if self.server:
+            await self.server.stop(grace=0.5)
+        if self.loop_:
+            self.loop_.stop()

@@ -1,0 +1,226 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    def __init__(self, max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ..., stop_token_ids: _Iterable[int] | None = ..., ignore_eos: bool | None = ..., logprobs: int | None = ...) -> None: ...
+
+class SloTargets(_message.Message):
+    __slots__ = ("ttft_ms", "tpot_ms")
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    ttft_ms: float
+    tpot_ms: float
+    def __init__(self, ttft_ms: float | None = ..., tpot_ms: float | None = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("text", "token_ids", "sampling", "request_id", "slo")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    sampling: SamplingParams
+    request_id: str
+    slo: SloTargets
+    def __init__(self, text: str | None = ..., token_ids: TokenIds | _Mapping | None = ..., sampling: SamplingParams | _Mapping | None = ..., request_id: str | None = ..., slo: SloTargets | _Mapping | None = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
+
+class TopLogprobs(_message.Message):
+    __slots__ = ("logprobs",)
+    class LogprobsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: int | None = ..., value: float | None = ...) -> None: ...
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.ScalarMap[int, float]
+    def __init__(self, logprobs: _Mapping[int, float] | None = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "kv_transfer_bytes")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    kv_transfer_bytes: int
+    def __init__(self, prompt_tokens: int | None = ..., cached_tokens: int | None = ..., completion_tokens: int | None = ..., kv_transfer_bytes: int | None = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue", "prefill", "kv_transfer", "ttft", "tpot", "e2e")
+    QUEUE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    TTFT_FIELD_NUMBER: _ClassVar[int]
+    TPOT_FIELD_NUMBER: _ClassVar[int]
+    E2E_FIELD_NUMBER: _ClassVar[int]
+    queue: float
+    prefill: float
+    kv_transfer: float
+    ttft: float
+    tpot: float
+    e2e: float
+    def __init__(self, queue: float | None = ..., prefill: float | None = ..., kv_transfer: float | None = ..., ttft: float | None = ..., tpot: float | None = ..., e2e: float | None = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "usage", "timings", "prefill_worker", "decode_worker", "slo_met")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    SLO_MET_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    prefill_worker: str
+    decode_worker: str
+    slo_met: bool
+    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., text: str | None = ..., logprobs: _Iterable[float] | None = ..., top_logprobs: _Iterable[TopLogprobs | _Mapping] | None = ..., finish_reason: str | None = ..., usage: Usage | _Mapping | None = ..., timings: Timings | _Mapping | None = ..., prefill_worker: str | None = ..., decode_worker: str | None = ..., slo_met: bool | None = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("ready", "prefill_workers", "decode_workers")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    prefill_workers: int
+    decode_workers: int
+    def __init__(self, ready: bool | None = ..., prefill_workers: int | None = ..., decode_workers: int | None = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("worker_id", "role", "address", "state", "num_running", "num_waiting", "num_blocks", "used_blocks", "free_blocks", "cached_blocks", "kv_usage", "requests_served", "inflight", "last_heartbeat_age_s", "prefix_queries", "prefix_hits", "reserved_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    address: str
+    state: str
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    kv_usage: float
+    requests_served: int
+    inflight: int
+    last_heartbeat_age_s: float
+    prefix_queries: int
+    prefix_hits: int
+    reserved_blocks: int
+    def __init__(self, worker_id: str | None = ..., role: str | None = ..., address: str | None = ..., state: str | None = ..., num_running: int | None = ..., num_waiting: int | None = ..., num_blocks: int | None = ..., used_blocks: int | None = ..., free_blocks: int | None = ..., cached_blocks: int | None = ..., kv_usage: float | None = ..., requests_served: int | None = ..., inflight: int | None = ..., last_heartbeat_age_s: float | None = ..., prefix_queries: int | None = ..., prefix_hits: int | None = ..., reserved_blocks: int | None = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("role", "replicas", "target_replicas")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    replicas: int
+    target_replicas: int
+    def __init__(self, role: str | None = ..., replicas: int | None = ..., target_replicas: int | None = ...) -> None: ...
+
+class ClusterStatusResponse(_message.Message):
+    __slots__ = ("pools", "workers", "queued_requests", "model", "transport")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    queued_requests: int
+    model: str
+    transport: str
+    def __init__(self, pools: _Iterable[PoolStatus | _Mapping] | None = ..., workers: _Iterable[WorkerStatus | _Mapping] | None = ..., queued_requests: int | None = ..., model: str | None = ..., transport: str | None = ...) -> None: ...
+
+class ScaleRequest(_message.Message):
+    __slots__ = ("pool", "replicas")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    replicas: int
+    def __init__(self, pool: str | None = ..., replicas: int | None = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("previous", "target", "adding", "draining")
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    ADDING_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    previous: int
+    target: int
+    adding: _containers.RepeatedScalarFieldContainer[str]
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, previous: int | None = ..., target: int | None = ..., adding: _Iterable[str] | None = ..., draining: _Iterable[str] | None = ...) -> None: ...

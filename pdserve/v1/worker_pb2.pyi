@@ -1,0 +1,159 @@
+from collections.abc import Iterable as _Iterable
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar
+
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
+
+from pdserve.v1 import router_pb2 as _router_pb2
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "role", "address", "transfer_address", "num_blocks", "block_size", "model")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: str
+    address: str
+    transfer_address: str
+    num_blocks: int
+    block_size: int
+    model: str
+    def __init__(self, worker_id: str | None = ..., role: str | None = ..., address: str | None = ..., transfer_address: str | None = ..., num_blocks: int | None = ..., block_size: int | None = ..., model: str | None = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("accepted", "message")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    message: str
+    def __init__(self, accepted: bool | None = ..., message: str | None = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "status")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    status: _router_pb2.WorkerStatus
+    def __init__(self, worker_id: str | None = ..., status: _router_pb2.WorkerStatus | _Mapping | None = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known", "drain")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    drain: bool
+    def __init__(self, known: bool | None = ..., drain: bool | None = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_transfer_address", "skip_blocks", "transfer_timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _router_pb2.SamplingParams
+    decode_transfer_address: str
+    skip_blocks: int
+    transfer_timeout_s: float
+    def __init__(self, request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., sampling: _router_pb2.SamplingParams | _Mapping | None = ..., decode_transfer_address: str | None = ..., skip_blocks: int | None = ..., transfer_timeout_s: float | None = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs", "text", "finish_reason", "cached_tokens", "queue_s", "prefill_s")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _router_pb2.TopLogprobs
+    text: str
+    finish_reason: str
+    cached_tokens: int
+    queue_s: float
+    prefill_s: float
+    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top_logprobs: _router_pb2.TopLogprobs | _Mapping | None = ..., text: str | None = ..., finish_reason: str | None = ..., cached_tokens: int | None = ..., queue_s: float | None = ..., prefill_s: float | None = ...) -> None: ...
+
+class TransferResult(_message.Message):
+    __slots__ = ("ok", "error", "bytes", "blocks", "seconds")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    error: str
+    bytes: int
+    blocks: int
+    seconds: float
+    def __init__(self, ok: bool | None = ..., error: str | None = ..., bytes: int | None = ..., blocks: int | None = ..., seconds: float | None = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first", "transfer")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    first: FirstToken
+    transfer: TransferResult
+    def __init__(self, first: FirstToken | _Mapping | None = ..., transfer: TransferResult | _Mapping | None = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _router_pb2.SamplingParams
+    transfer_timeout_s: float
+    def __init__(self, request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., sampling: _router_pb2.SamplingParams | _Mapping | None = ..., transfer_timeout_s: float | None = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("ok", "num_held_blocks", "num_blocks", "free_blocks")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    num_held_blocks: int
+    num_blocks: int
+    free_blocks: int
+    def __init__(self, ok: bool | None = ..., num_held_blocks: int | None = ..., num_blocks: int | None = ..., free_blocks: int | None = ...) -> None: ...
+
+class DecodeTokens(_message.Message):
+    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_router_pb2.TopLogprobs]
+    finish_reason: str
+    kv_transfer_s: float
+    def __init__(self, token_ids: _Iterable[int] | None = ..., text: str | None = ..., logprobs: _Iterable[float] | None = ..., top_logprobs: _Iterable[_router_pb2.TopLogprobs | _Mapping] | None = ..., finish_reason: str | None = ..., kv_transfer_s: float | None = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("reservation", "tokens")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    reservation: Reservation
+    tokens: DecodeTokens
+    def __init__(self, reservation: Reservation | _Mapping | None = ..., tokens: DecodeTokens | _Mapping | None = ...) -> None: ...

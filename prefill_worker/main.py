@@ -1,0 +1,25 @@
+"""Run one prefill worker until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdserve.config import ClusterConfig
+from pdserve.runtime.worker_server import WorkerRuntime
+from prefill_worker.service import PrefillService, add_to_server
+from transfer import make_sender
+
+
+async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: asyncio.Event | None = None,
+                started: asyncio.Future | None = None) -> None:
+    rt = WorkerRuntime(cfg, "prefill", worker_id, router_address)
+    sender = make_sender(cfg.transfer.transport)
+    service = PrefillService(rt, sender)
+    try:
+        await rt.start(lambda server: add_to_server(server, service))
+        if started is not None and not started.done():
+            started.set_result(rt.address)
+        await (stop or asyncio.Event()).wait()
+    finally:
+        await rt.stop()
+        sender.close()

@@ -1,0 +1,327 @@
+"""The request path: admission on a decode worker, prefill, first token to the client at once,
+KV transfer prefill -> decode, then the decode stream relayed to the client."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine import InvalidRequestError, SamplingParams
+from engine.hashing import hash_blocks
+from pdserve.config import ClusterConfig
+from pdserve.runtime.convert import params_from_proto, params_to_proto
+from pdserve.v1 import router_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from router.launcher import Launcher
+from router.membership import Membership, WorkerRecord
+from router.model_info import ModelInfo
+from router.policy import make_policy
+
+log = logging.getLogger(__name__)
+PREFIX_BLOCKS = 64  # leading blocks tracked for prefix-aware routing
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    deadline: float
+    arrival: float
+    slo: pb.SloTargets | None = None
+    prefix: list[int] = field(default_factory=list)
+    failure: RequestFailed | None = None
+    calls: list = field(default_factory=list)  # open worker calls, cancelled on failure
+    first_sent: float | None = None
+    last_token: float | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    transfer_bytes: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+
+    def fail(self, code: grpc.StatusCode, message: str) -> None:
+        if self.failure is None:
+            self.failure = RequestFailed(code, message)
+        for call in self.calls:
+            call.cancel()
+
+    @property
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class RouterCore:
+    def __init__(self, cfg: ClusterConfig, launcher: Launcher | None = None, model: ModelInfo | None = None) -> None:
+        self.cfg = cfg
+        self.model = model or ModelInfo.load(cfg.model, cfg.engine.max_model_len)
+        self.members = Membership(cfg.heartbeat.dead_after_s)
+        self.policy = make_policy(cfg.router.routing)
+        self.launcher = launcher
+        self.block_size = cfg.engine.block_size
+        self.waiting = 0
+        self.active: dict[str, RequestState] = {}
+        self.targets = {"prefill": cfg.prefill.replicas, "decode": cfg.decode.replicas}
+        self.finished: list[RequestState] = []  # recent, for observers (metrics, tests)
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "kv_bytes": 0, "slo_met": 0, "slo_missed": 0}
+
+    # ---- input ---------------------------------------------------------------------------------
+    def parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "request has no prompt: set text or token_ids")
+        if which == "text":
+            if not request.text:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            prompt = self.model.encode(request.text)
+        else:
+            prompt = list(request.token_ids.ids)
+            if not prompt:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            bad = next((t for t in prompt if t >= self.model.vocab_size), None)
+            if bad is not None:
+                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"prompt token id {bad} is outside the vocabulary [0, {self.model.vocab_size})")
+        try:
+            params = params_from_proto(request.sampling)
+        except InvalidRequestError as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        total = len(prompt) + params.max_tokens
+        if total > self.model.max_model_len:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                                f"the model's context length {self.model.max_model_len}")
+        if params.seed is None and not params.greedy:
+            # Fixing the seed here makes a retried request draw the same tokens.
+            params.seed = random.getrandbits(62)
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.active:
+            raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already in flight")
+        now = time.monotonic()
+        limit = min(time_remaining if time_remaining is not None else math.inf, self.cfg.router.request_timeout_s)
+        st = RequestState(rid, prompt, params, now + limit, now, request.slo if request.HasField("slo") else None)
+        st.prefix = hash_blocks(prompt, self.block_size)[:PREFIX_BLOCKS]
+        return st
+
+    # ---- admission -----------------------------------------------------------------------------
+    async def _reserve(self, st: RequestState, exclude: set[str]) -> tuple[WorkerRecord, object, wpb.Reservation]:
+        """Open a decode stream on a worker with room. Waits in the bounded queue until one has
+        room or the deadline passes; a decode worker is never asked for more than it has."""
+        need = -(-(len(st.prompt) + st.params.max_tokens) // self.block_size)
+        queued = False
+        try:
+            while True:
+                workers = [w for w in self.members.active("decode") if w.worker_id not in exclude]
+                for w in self.policy.rank_decode(workers, st.prefix, need):
+                    call = w.stub.Decode(wpb.DecodeRequest(
+                        request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
+                        transfer_timeout_s=self.cfg.transfer.timeout_s), timeout=max(st.remaining, 0.001))
+                    try:
+                        first = await call.read()
+                    except grpc.aio.AioRpcError as e:
+                        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                            raise RequestFailed(e.code(), e.details()) from e
+                        if e.code() == grpc.StatusCode.UNAVAILABLE:
+                            self.members.drop(w.worker_id, f"unreachable ({e.details()})")
+                        continue
+                    if first is grpc.aio.EOF or not first.reservation.ok:
+                        if first is not grpc.aio.EOF:
+                            w.observe_free(first.reservation.free_blocks)
+                        call.cancel()
+                        continue
+                    w.pending_blocks += need - first.reservation.num_held_blocks
+                    return w, call, first.reservation
+                if not queued:
+                    if self.waiting >= self.cfg.router.queue_size:
+                        raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"router queue full ({self.waiting} waiting); retry later")
+                    queued = True
+                    self.waiting += 1
+                if st.remaining <= 0:
+                    raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"no decode worker had room for {need} KV blocks before the deadline")
+                self.members.changed.clear()
+                try:
+                    await asyncio.wait_for(self.members.changed.wait(), min(st.remaining, 1.0))
+                except TimeoutError:
+                    pass
+        finally:
+            if queued:
+                self.waiting -= 1
+
+    # ---- the request path ----------------------------------------------------------------------
+    async def generate(self, st: RequestState):
+        """Yields GenerateResponse messages; raises RequestFailed with a status for the client."""
+        self.active[st.request_id] = st
+        self.counters["requests"] += 1
+        tried: set[str] = set()
+        try:
+            for attempt in range(self.cfg.router.max_retries + 1):
+                retry = False
+                async for msg in self._attempt(st, tried):
+                    if msg is None:  # the attempt failed before decode streamed anything: retry
+                        retry = True
+                        break
+                    yield msg
+                if not retry:
+                    break
+                if attempt == self.cfg.router.max_retries:
+                    raise st.failure or RequestFailed(grpc.StatusCode.UNAVAILABLE, "request failed")
+                log.warning("retrying %s after: %s", st.request_id, st.failure and st.failure.message)
+                st.failure = None
+            self.counters["finished"] += 1
+        except RequestFailed:
+            self.counters["failed"] += 1
+            raise
+        finally:
+            self.active.pop(st.request_id, None)
+            for call in st.calls:
+                call.cancel()
+            self.finished.append(st)
+            del self.finished[:-1000]
+            self.members.notify()
+
+    async def _attempt(self, st: RequestState, tried: set[str]):
+        t_adm = time.monotonic()
+        dw, dcall, res = await self._reserve(st, tried)
+        st.calls = [dcall]
+        dw.inflight[st.request_id] = st.fail
+        pw = self.policy.pick_prefill(self.members.active("prefill"), st.prefix)
+        if pw is None:
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+        pw.inflight[st.request_id] = st.fail
+        st.prefill_worker, st.decode_worker = pw.worker_id, dw.worker_id
+        self.policy.record(st.prefix, pw.worker_id, dw.worker_id)
+        transfer: asyncio.Future | None = None
+        pending_read: asyncio.Future | None = None
+        try:
+            pcall = pw.stub.Prefill(wpb.PrefillRequest(
+                request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
+                decode_transfer_address=dw.transfer_address, skip_blocks=res.num_held_blocks,
+                transfer_timeout_s=self.cfg.transfer.timeout_s), timeout=max(st.remaining, 0.001))
+            st.calls.append(pcall)
+            first = await self._read(st, pcall, pw)
+            if first is grpc.aio.EOF:
+                raise RequestFailed(grpc.StatusCode.INTERNAL, f"prefill worker {pw.worker_id} closed the stream")
+            ft = first.first
+            st.cached_tokens, st.prefill_s = ft.cached_tokens, ft.prefill_s
+            st.queue_s = (time.monotonic() - t_adm - ft.prefill_s) if st.first_sent is None else st.queue_s
+            if st.first_sent is None:
+                st.first_sent = st.last_token = time.monotonic()
+                st.completion_tokens = 1
+                msg = pb.GenerateResponse(request_id=st.request_id, token_ids=[ft.token_id], text=ft.text,
+                                          logprobs=[ft.logprob], prefill_worker=pw.worker_id,
+                                          decode_worker=dw.worker_id)
+                if ft.HasField("top_logprobs"):
+                    msg.top_logprobs.append(ft.top_logprobs)
+                if ft.finish_reason:
+                    yield self._finish(msg, st, ft.finish_reason)
+                    return
+                yield msg
+            elif ft.finish_reason:
+                yield self._finish(pb.GenerateResponse(request_id=st.request_id), st, ft.finish_reason)
+                return
+            # The transfer outcome (prefill side) and the decode stream race: watch both.
+            transfer = asyncio.ensure_future(self._read(st, pcall, pw))
+            streamed = False
+            while True:
+                if pending_read is None:
+                    pending_read = asyncio.ensure_future(self._read(st, dcall, dw))
+                if transfer is not None:
+                    done, _ = await asyncio.wait({transfer, pending_read}, return_when=asyncio.FIRST_COMPLETED)
+                    if transfer in done:
+                        result = transfer.result()
+                        transfer = None
+                        if result is grpc.aio.EOF or not result.transfer.ok:
+                            err = "prefill stream ended" if result is grpc.aio.EOF else result.transfer.error
+                            pending_read.cancel()
+                            st.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {dw.worker_id} failed: {err}")
+                            tried.add(dw.worker_id)
+                            yield None
+                            return
+                        st.transfer_bytes = result.transfer.bytes
+                        st.transfer_s = result.transfer.seconds
+                        self.counters["kv_bytes"] += result.transfer.bytes
+                        continue
+                try:
+                    msg = await pending_read
+                except RequestFailed:
+                    if not streamed and st.failure is not None and st.failure.code != grpc.StatusCode.CANCELLED:
+                        tried.add(dw.worker_id)
+                        yield None
+                        return
+                    raise
+                pending_read = None
+                if msg is grpc.aio.EOF:
+                    raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {dw.worker_id} ended the stream "
+                                                                  "without a finish reason")
+                tok = msg.tokens
+                streamed = True
+                st.completion_tokens += len(tok.token_ids)
+                st.last_token = time.monotonic()
+                out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
+                                          logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
+                if tok.finish_reason:
+                    yield self._finish(out, st, tok.finish_reason)
+                    return
+                yield out
+        finally:
+            for fut in (transfer, pending_read):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+            dw.inflight.pop(st.request_id, None)
+            pw.inflight.pop(st.request_id, None)
+            dw.served += 1
+            pw.served += 1
+
+    async def _read(self, st: RequestState, call, worker: WorkerRecord):
+        try:
+            return await call.read()
+        except asyncio.CancelledError:
+            if st.failure is not None:
+                raise st.failure from None
+            raise
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE,):
+                self.members.drop(worker.worker_id, f"failed mid-request ({e.details()})")
+                st.fail(grpc.StatusCode.UNAVAILABLE, f"{worker.role} worker {worker.worker_id} failed: {e.details()}")
+            elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and st.remaining <= 0:
+                st.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
+            else:
+                st.fail(e.code(), f"{worker.role} worker {worker.worker_id}: {e.details()}")
+            raise st.failure from None
+
+    def _finish(self, msg: pb.GenerateResponse, st: RequestState, reason: str) -> pb.GenerateResponse:
+        now = time.monotonic()
+        st.last_token = now
+        msg.finish_reason = reason
+        msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(st.prompt), cached_tokens=st.cached_tokens,
+                                    completion_tokens=st.completion_tokens, kv_transfer_bytes=st.transfer_bytes))
+        ttft = (st.first_sent or now) - st.arrival
+        tpot = (now - st.first_sent) / (st.completion_tokens - 1) if st.first_sent and st.completion_tokens > 1 else 0.0
+        msg.timings.CopyFrom(pb.Timings(queue=max(st.queue_s, 0.0), prefill=st.prefill_s, kv_transfer=st.transfer_s,
+                                        ttft=ttft, tpot=tpot, e2e=now - st.arrival))
+        msg.prefill_worker, msg.decode_worker = st.prefill_worker, st.decode_worker
+        met = True
+        if st.slo is not None:
+            met = (not st.slo.HasField("ttft_ms") or ttft * 1e3 <= st.slo.ttft_ms) and \
+                  (not st.slo.HasField("tpot_ms") or tpot * 1e3 <= st.slo.tpot_ms)
+        msg.slo_met = met
+        self.counters["slo_met" if met else "slo_missed"] += 1
+        return msg

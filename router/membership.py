@@ -1,0 +1,115 @@
+"""Who is in the cluster: registration, heartbeats, draining, and dropping silent workers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import router_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wrpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerRecord:
+    worker_id: str
+    role: str
+    address: str
+    transfer_address: str
+    num_blocks: int
+    block_size: int
+    channel: grpc.aio.Channel
+    stub: Any
+    state: str = "active"  # active | draining
+    last_seen: float = field(default_factory=time.monotonic)
+    status: pb.WorkerStatus | None = None
+    # request id -> callback that fails the request (used when this worker dies)
+    inflight: dict[str, Callable[[grpc.StatusCode, str], None]] = field(default_factory=dict)
+    served: int = 0
+    pending_blocks: int = 0  # reserved through this router since the last heartbeat
+
+    @property
+    def free_blocks_estimate(self) -> int:
+        free = self.status.free_blocks if self.status is not None else self.num_blocks
+        return free - self.pending_blocks
+
+    def observe_free(self, free_blocks: int) -> None:
+        """A refused reservation told us the worker's real free count: trust it until the next heartbeat."""
+        self.pending_blocks = max(self.pending_blocks, self.free_blocks_estimate + self.pending_blocks - free_blocks)
+
+    @property
+    def load(self) -> int:
+        return len(self.inflight)
+
+
+class Membership:
+    def __init__(self, dead_after_s: float) -> None:
+        self.dead_after_s = dead_after_s
+        self.workers: dict[str, WorkerRecord] = {}
+        self.changed = asyncio.Event()  # set on any capacity change; waiters clear and re-check
+        self.on_leave: list[Callable[[WorkerRecord, str], None]] = []
+
+    def notify(self) -> None:
+        self.changed.set()
+
+    def register(self, info: wpb.WorkerInfo) -> WorkerRecord:
+        old = self.workers.pop(info.worker_id, None)
+        if old is not None:
+            self._fail_inflight(old, "re-registered")
+            asyncio.ensure_future(old.channel.close())
+        channel = grpc.aio.insecure_channel(info.address)
+        stub = wrpc.PrefillWorkerStub(channel) if info.role == "prefill" else wrpc.DecodeWorkerStub(channel)
+        rec = WorkerRecord(info.worker_id, info.role, info.address, info.transfer_address, info.num_blocks,
+                           info.block_size, channel, stub)
+        self.workers[info.worker_id] = rec
+        log.info("worker %s (%s) joined at %s", info.worker_id, info.role, info.address)
+        self.notify()
+        return rec
+
+    def heartbeat(self, worker_id: str, status: pb.WorkerStatus) -> WorkerRecord | None:
+        rec = self.workers.get(worker_id)
+        if rec is None:
+            return None
+        rec.last_seen = time.monotonic()
+        rec.status = status
+        rec.pending_blocks = 0
+        self.notify()
+        return rec
+
+    def _fail_inflight(self, rec: WorkerRecord, why: str) -> None:
+        for fail in list(rec.inflight.values()):
+            fail(grpc.StatusCode.UNAVAILABLE, f"{rec.role} worker {rec.worker_id} {why}")
+        rec.inflight.clear()
+
+    def drop(self, worker_id: str, why: str) -> None:
+        rec = self.workers.pop(worker_id, None)
+        if rec is None:
+            return
+        log.warning("dropping worker %s: %s", worker_id, why)
+        self._fail_inflight(rec, why)
+        asyncio.ensure_future(rec.channel.close())
+        for cb in self.on_leave:
+            cb(rec, why)
+        self.notify()
+
+    def active(self, role: str) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.role == role and w.state == "active"]
+
+    def members(self, role: str) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    async def reap_forever(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            now = time.monotonic()
+            for rec in list(self.workers.values()):
+                if now - rec.last_seen > self.dead_after_s:
+                    self.drop(rec.worker_id, f"stopped answering (no heartbeat for {now - rec.last_seen:.1f}s)")

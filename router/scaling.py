@@ -1,0 +1,73 @@
+"""Growing and shrinking pools while serving. The router decides who leaves and drains them
+(no new requests; live ones finish); the launcher starts and stops the processes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from router.core import RequestFailed, RouterCore
+
+log = logging.getLogger(__name__)
+
+
+class Scaler:
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+        self.adding: dict[str, int] = {"prefill": 0, "decode": 0}
+        self._tasks: set[asyncio.Task] = set()
+
+    def current(self, pool: str) -> int:
+        return len(self.core.members.active(pool)) + self.adding[pool]
+
+    async def scale(self, pool: str, replicas: int) -> tuple[int, list[str], list[str]]:
+        core = self.core
+        if pool not in ("prefill", "decode"):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"pool must be 'prefill' or 'decode', got {pool!r}")
+        if core.launcher is None:
+            raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION,
+                                "this router has no launcher to start or stop workers; start or stop worker processes "
+                                "yourself (for example `kubectl scale`) or run the cluster with `pdserve up`")
+        if replicas < 1:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "a pool needs at least one replica")
+        prev = self.current(pool)
+        core.targets[pool] = replicas
+        adding: list[str] = []
+        draining: list[str] = []
+        if replicas > prev:
+            self.adding[pool] += replicas - prev
+            try:
+                adding = list(await asyncio.gather(*(core.launcher.add_worker(pool) for _ in range(replicas - prev))))
+            finally:
+                self.adding[pool] -= replicas - prev
+        elif replicas < prev:
+            active = sorted(core.members.active(pool), key=lambda w: (w.load, w.worker_id))
+            for w in active[: prev - replicas]:
+                w.state = "draining"
+                draining.append(w.worker_id)
+                task = asyncio.create_task(self._retire(w.worker_id))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        log.info("scale %s: %d -> %d (adding %s, draining %s)", pool, prev, replicas, adding, draining)
+        return prev, adding, draining
+
+    async def _retire(self, worker_id: str) -> None:
+        members = self.core.members
+        while True:
+            rec = members.workers.get(worker_id)
+            if rec is None:
+                return
+            if not rec.inflight:
+                break
+            members.changed.clear()
+            try:
+                await asyncio.wait_for(members.changed.wait(), 0.5)
+            except TimeoutError:
+                pass
+        members.drop(worker_id, "drained")
+        try:
+            await self.core.launcher.remove_worker(worker_id)
+        except Exception:
+            log.exception("launcher failed to remove %s", worker_id)

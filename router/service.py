@@ -1,0 +1,78 @@
+"""gRPC servicers of the router: the public Router API and the internal Control API."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from pdserve.v1 import router_pb2 as pb
+from pdserve.v1 import router_pb2_grpc as rrpc
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wrpc
+from router.core import RequestFailed, RouterCore
+from router.scaling import Scaler
+
+
+class RouterService(rrpc.RouterServicer):
+    def __init__(self, core: RouterCore, scaler: Scaler) -> None:
+        self.core = core
+        self.scaler = scaler
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            st = self.core.parse(request, context.time_remaining())
+            async for msg in self.core.generate(st):
+                yield msg
+        except RequestFailed as e:
+            await context.abort(e.code, e.message)
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        m = self.core.members
+        p, d = len(m.active("prefill")), len(m.active("decode"))
+        return pb.HealthResponse(ready=p > 0 and d > 0, prefill_workers=p, decode_workers=d)
+
+    async def ClusterStatus(self, request, context) -> pb.ClusterStatusResponse:
+        core = self.core
+        now = time.monotonic()
+        resp = pb.ClusterStatusResponse(queued_requests=core.waiting, model=core.model.name,
+                                        transport=core.cfg.transfer.transport)
+        for role in ("prefill", "decode"):
+            resp.pools.append(pb.PoolStatus(role=role, replicas=len(core.members.active(role)),
+                                            target_replicas=core.targets[role]))
+        for w in sorted(core.members.workers.values(), key=lambda w: (w.role, w.worker_id)):
+            st = pb.WorkerStatus()
+            if w.status is not None:
+                st.CopyFrom(w.status)
+            st.worker_id, st.role, st.address, st.state = w.worker_id, w.role, w.address, w.state
+            st.inflight, st.requests_served = w.load, w.served
+            st.last_heartbeat_age_s = now - w.last_seen
+            resp.workers.append(st)
+        return resp
+
+    async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
+        try:
+            prev, adding, draining = await self.scaler.scale(request.pool, request.replicas)
+        except RequestFailed as e:
+            await context.abort(e.code, e.message)
+        return pb.ScaleResponse(previous=prev, target=request.replicas, adding=adding, draining=draining)
+
+
+class ControlService(wrpc.ControlServicer):
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+
+    async def Register(self, request: wpb.WorkerInfo, context) -> wpb.RegisterReply:
+        if request.role not in ("prefill", "decode"):
+            return wpb.RegisterReply(accepted=False, message=f"unknown role {request.role!r}")
+        if request.block_size != self.core.block_size:
+            return wpb.RegisterReply(accepted=False, message=f"block_size {request.block_size} differs from the "
+                                                             f"router's {self.core.block_size}")
+        self.core.members.register(request)
+        return wpb.RegisterReply(accepted=True)
+
+    async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatReply:
+        rec = self.core.members.heartbeat(request.worker_id, request.status)
+        if rec is None:
+            return wpb.HeartbeatReply(known=False)
+        return wpb.HeartbeatReply(known=True, drain=rec.state == "draining")

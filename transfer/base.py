@@ -1,0 +1,92 @@
+"""Transport-neutral sender/receiver interfaces.
+
+A send returns a handle whose state only moves forward: PENDING -> SENT -> DONE, or to FAILED
+from any state; FAILED and DONE are final. `poll()` never blocks.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from transfer.wire import KVHeader
+
+
+class TransferState(enum.IntEnum):
+    PENDING = 0
+    SENT = 1
+    DONE = 2
+    FAILED = 3
+
+
+@dataclass(slots=True)
+class TransferHandle:
+    request_id: str
+    dest: str
+    nbytes: int
+    deadline: float
+    state: TransferState = TransferState.PENDING
+    error: str = ""
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+
+    def advance(self, state: TransferState, error: str = "") -> None:
+        """Move forward only; DONE and FAILED are sticky."""
+        if self.state in (TransferState.DONE, TransferState.FAILED) or state <= self.state:
+            return
+        self.state = state
+        if state is TransferState.FAILED:
+            self.error = error or "transfer failed"
+        if state in (TransferState.DONE, TransferState.FAILED):
+            self.finished = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self.state in (TransferState.DONE, TransferState.FAILED)
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+
+@dataclass(slots=True)
+class ReceivedKV:
+    """An incoming transfer: header and frames. The owner checks it, lands the blocks, then
+    calls `ack` exactly once so the sender learns the outcome."""
+
+    header: KVHeader
+    frames: list[memoryview]
+    _ack: Callable[[bool, str], None]
+    acked: bool = False
+
+    def ack(self, ok: bool, error: str = "") -> None:
+        if not self.acked:
+            self.acked = True
+            self._ack(ok, error)
+
+
+class KVSender(abc.ABC):
+    @abc.abstractmethod
+    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
+        """Start a transfer; the frames must stay valid until the handle is done."""
+
+    @abc.abstractmethod
+    def poll(self) -> None:
+        """Advance every open handle without blocking (acks, errors, timeouts)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class KVReceiver(abc.ABC):
+    address: str
+
+    @abc.abstractmethod
+    def poll(self, timeout_s: float = 0.0) -> list[ReceivedKV]:
+        """Transfers that arrived; waits at most timeout_s for the first one."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...

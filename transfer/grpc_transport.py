@@ -1,0 +1,131 @@
+"""gRPC transport for deployments that open only gRPC ports.
+
+One client-streaming call per transfer on a generic method: the first message is the msgpack
+header, the rest are raw byte chunks of the frames (no protobuf around bulk data); the reply is
+the msgpack acknowledgement."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+
+import grpc
+import msgpack
+
+from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState
+from transfer.wire import KVHeader, TransferError
+
+METHOD = "/pdserve.v1.KVTransfer/Push"
+CHUNK = 4 << 20
+_OPTIONS = [("grpc.max_receive_message_length", 2 * CHUNK), ("grpc.max_send_message_length", 2 * CHUNK)]
+
+
+def _chunks(header: KVHeader, frames: Sequence[memoryview]) -> Iterator[bytes]:
+    yield header.encode()
+    for f in frames:
+        mv = memoryview(f).cast("B")
+        for i in range(0, mv.nbytes, CHUNK):
+            yield bytes(mv[i:i + CHUNK])
+
+
+class GrpcSender(KVSender):
+    def __init__(self) -> None:
+        self.channels: dict[str, grpc.Channel] = {}
+        self.open: list[tuple[TransferHandle, grpc.Future]] = []
+
+    def _call(self, dest: str):
+        dest = dest.removeprefix("grpc://")
+        if dest not in self.channels:
+            self.channels[dest] = grpc.insecure_channel(dest, options=_OPTIONS)
+        return self.channels[dest].stream_unary(METHOD)
+
+    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
+        handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
+        fut = self._call(dest).future(_chunks(header, frames), timeout=timeout_s)
+        handle.advance(TransferState.SENT)
+        self.open.append((handle, fut))
+        return handle
+
+    def poll(self) -> None:
+        still = []
+        for handle, fut in self.open:
+            if not fut.done():
+                still.append((handle, fut))
+                continue
+            try:
+                ack = msgpack.unpackb(fut.result())
+                ok = bool(ack.get("ok"))
+                handle.advance(TransferState.DONE if ok else TransferState.FAILED, ack.get("err", ""))
+            except grpc.RpcError as e:
+                handle.advance(TransferState.FAILED, f"gRPC transfer to {handle.dest}: {e.code().name} {e.details()}")
+            except Exception as e:
+                handle.advance(TransferState.FAILED, f"bad acknowledgement from {handle.dest}: {e}")
+        self.open = still
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+        self.channels.clear()
+
+
+class GrpcReceiver(KVReceiver):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 ack_timeout_s: float = 60.0) -> None:
+        self._queue: queue.Queue[ReceivedKV] = queue.Queue()
+        self.ack_timeout_s = ack_timeout_s
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
+        handler = grpc.method_handlers_generic_handler(
+            "pdserve.v1.KVTransfer", {"Push": grpc.stream_unary_rpc_method_handler(self._push)})
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.address = f"grpc://{advertise_host or host}:{self.port}"
+        self.server.start()
+
+    def _push(self, request_iterator, context) -> bytes:
+        rid = ""
+        try:
+            header = KVHeader.decode(next(request_iterator))
+            rid = header.request_id
+            frames: list[memoryview] = []
+            for info in header.frames:
+                buf = bytearray(info.nbytes)
+                filled = 0
+                while filled < info.nbytes:
+                    chunk = next(request_iterator)
+                    buf[filled:filled + len(chunk)] = chunk
+                    filled += len(chunk)
+                frames.append(memoryview(buf))
+            extra = next(request_iterator, None)
+            if extra is not None:
+                raise TransferError(f"{rid}: more data than the header announces")
+        except StopIteration:
+            return msgpack.packb({"rid": rid, "ok": False, "err": f"{rid}: stream ended early (truncated)"})
+        except (TransferError, ValueError) as e:
+            return msgpack.packb({"rid": rid, "ok": False, "err": str(e)})
+        done = threading.Event()
+        result: dict = {}
+
+        def ack(ok: bool, err: str) -> None:
+            result.update(ok=ok, err=err)
+            done.set()
+
+        self._queue.put(ReceivedKV(header, frames, ack))
+        if not done.wait(self.ack_timeout_s):
+            return msgpack.packb({"rid": rid, "ok": False, "err": "receiver did not process the transfer in time"})
+        return msgpack.packb({"rid": rid, **result})
+
+    def poll(self, timeout_s: float = 0.0) -> list[ReceivedKV]:
+        out: list[ReceivedKV] = []
+        try:
+            out.append(self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait())
+            while True:
+                out.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def close(self) -> None:
+        self.server.stop(grace=0)

@@ -1,0 +1,34 @@
+"""Transport registry: the config names a transport, this returns its sender/receiver."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transfer.base import KVReceiver, KVSender
+from transfer.fake import FakeReceiver, FakeSender
+from transfer.grpc_transport import GrpcReceiver, GrpcSender
+from transfer.zmq_transport import ZmqReceiver, ZmqSender
+
+TRANSPORTS: dict[str, tuple[Callable[..., KVSender], Callable[..., KVReceiver]]] = {
+    "zmq": (ZmqSender, ZmqReceiver),
+    "grpc": (GrpcSender, GrpcReceiver),
+    "fake": (FakeSender, FakeReceiver),
+}
+
+
+def _lookup(name: str) -> tuple[Callable[..., KVSender], Callable[..., KVReceiver]]:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; choose one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name]
+
+
+def make_sender(name: str, **kwargs) -> KVSender:
+    return _lookup(name)[0](**kwargs)
+
+
+def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> KVReceiver:
+    return _lookup(name)[1](host=host, port=port, advertise_host=advertise_host)
+
+
+def register_transport(name: str, sender: Callable[..., KVSender], receiver: Callable[..., KVReceiver]) -> None:
+    TRANSPORTS[name] = (sender, receiver)

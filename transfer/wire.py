@@ -1,0 +1,113 @@
+"""The KV wire format: a msgpack header, then raw frames (each a run of whole blocks).
+
+The header names dtype, block shape and size, each block's hash and each frame's size and
+xxh3-64 checksum. Bulk bytes never enter msgpack: they ride as separate zero-copy frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import xxhash
+
+WIRE_VERSION = 1
+
+
+class TransferError(RuntimeError):
+    """A transfer that failed or whose data did not pass its checks."""
+
+
+@dataclass(slots=True)
+class FrameInfo:
+    num_blocks: int
+    nbytes: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class KVHeader:
+    request_id: str
+    dtype: str
+    block_shape: list[int]
+    block_nbytes: int
+    block_hashes: list[int | None]  # one per shipped block; None for a trailing partial block
+    first_block: int = 0  # index in the sequence's block table of the first shipped block
+    frames: list[FrameInfo] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)  # small per-request values (first token...)
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise TransferError("header lacks a request id")
+        if self.block_nbytes <= 0 or any(d <= 0 for d in self.block_shape):
+            raise TransferError(f"bad block geometry {self.block_shape} / {self.block_nbytes} bytes")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.nbytes for f in self.frames)
+
+    def encode(self) -> bytes:
+        return msgpack.packb({
+            "v": WIRE_VERSION, "rid": self.request_id, "dtype": self.dtype, "shape": self.block_shape,
+            "bnb": self.block_nbytes, "hashes": self.block_hashes, "first": self.first_block,
+            "frames": [[f.num_blocks, f.nbytes, f.checksum] for f in self.frames], "meta": self.meta,
+        })
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> KVHeader:
+        try:
+            d = msgpack.unpackb(data, strict_map_key=False)
+            if d.get("v") != WIRE_VERSION:
+                raise TransferError(f"wire version {d.get('v')!r}, expected {WIRE_VERSION}")
+            return cls(d["rid"], d["dtype"], list(d["shape"]), int(d["bnb"]), list(d["hashes"]), int(d["first"]),
+                       [FrameInfo(*f) for f in d["frames"]], dict(d.get("meta") or {}))
+        except TransferError:
+            raise
+        except Exception as e:  # malformed msgpack or missing keys
+            raise TransferError(f"malformed KV header: {e}") from e
+
+
+def checksum(buf: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+def frame_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
+    """Split block ids into runs of consecutive ids (start, count): each run of a block-major
+    pool is one contiguous buffer, so it can go out as one zero-copy frame."""
+    runs: list[tuple[int, int]] = []
+    for bid in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == bid and runs[-1][1] < max_blocks:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((bid, 1))
+    return runs
+
+
+def build_header(request_id: str, dtype: str, block_shape: Sequence[int], block_nbytes: int,
+                 block_hashes: Sequence[int | None], frames: Sequence[memoryview], blocks_per_frame: Sequence[int],
+                 first_block: int = 0, meta: dict[str, Any] | None = None) -> KVHeader:
+    infos = [FrameInfo(n, f.nbytes, checksum(f)) for f, n in zip(frames, blocks_per_frame, strict=True)]
+    return KVHeader(request_id, dtype, list(block_shape), block_nbytes, list(block_hashes), first_block, infos,
+                    dict(meta or {}))
+
+
+def verify(header: KVHeader, frames: Sequence[memoryview | bytes]) -> None:
+    """Structural and checksum checks; raises TransferError naming the first problem."""
+    if len(frames) != len(header.frames):
+        raise TransferError(f"{header.request_id}: {len(frames)} frames received, header announces "
+                            f"{len(header.frames)} (truncated message)")
+    if sum(f.num_blocks for f in header.frames) != header.num_blocks:
+        raise TransferError(f"{header.request_id}: frames cover a different block count than the header")
+    for i, (info, buf) in enumerate(zip(header.frames, frames, strict=True)):
+        n = memoryview(buf).nbytes
+        if n != info.nbytes or n != info.num_blocks * header.block_nbytes:
+            raise TransferError(f"{header.request_id}: frame {i} has {n} bytes, expected {info.nbytes} "
+                                f"({info.num_blocks} blocks of {header.block_nbytes})")
+        if checksum(buf) != info.checksum:
+            raise TransferError(f"{header.request_id}: frame {i} fails its xxh3 checksum (corrupt data)")

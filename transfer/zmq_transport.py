@@ -1,0 +1,153 @@
+"""ZeroMQ transport (the default): DEALER -> ROUTER, header frame + zero-copy data frames,
+acknowledgement back on the same socket pair."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Sequence
+
+import msgpack
+import zmq
+
+from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState
+from transfer.wire import KVHeader, TransferError
+
+DEFAULT_HWM = 1024  # messages queued per peer before senders block: bounds memory held by ZeroMQ
+
+
+def tcp_address(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+class ZmqSender(KVSender):
+    def __init__(self, hwm: int = DEFAULT_HWM, context: zmq.Context | None = None) -> None:
+        self.ctx = context or zmq.Context()
+        self._own_ctx = context is None
+        self.hwm = hwm
+        self.sockets: dict[str, zmq.Socket] = {}
+        self.open: dict[tuple[str, str], TransferHandle] = {}
+
+    def _socket(self, dest: str) -> zmq.Socket:
+        sock = self.sockets.get(dest)
+        if sock is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, self.hwm)
+            sock.setsockopt(zmq.RCVHWM, self.hwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(dest if "://" in dest else f"tcp://{dest}")
+            self.sockets[dest] = sock
+        return sock
+
+    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
+        handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
+        key = (dest, header.request_id)
+        if key in self.open and not self.open[key].done:
+            handle.advance(TransferState.FAILED, f"a transfer of {header.request_id} to {dest} is already open")
+            return handle
+        sock = self._socket(dest)
+        sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
+        try:
+            sock.send_multipart([header.encode(), *frames], copy=False)
+        except zmq.Again:
+            handle.advance(TransferState.FAILED, f"send to {dest} timed out (peer not draining)")
+            return handle
+        except zmq.ZMQError as e:
+            handle.advance(TransferState.FAILED, f"send to {dest} failed: {e}")
+            return handle
+        handle.advance(TransferState.SENT)
+        self.open[key] = handle
+        return handle
+
+    def poll(self) -> None:
+        for dest, sock in self.sockets.items():
+            while True:
+                try:
+                    raw = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    ack = msgpack.unpackb(raw)
+                    handle = self.open.pop((dest, ack["rid"]), None)
+                except Exception:
+                    continue  # a garbled ack cannot be matched; the timeout will fail the transfer
+                if handle is not None:
+                    ok = bool(ack.get("ok"))
+                    handle.advance(TransferState.DONE if ok else TransferState.FAILED, ack.get("err", ""))
+        now = time.monotonic()
+        for key, handle in list(self.open.items()):
+            if handle.done:
+                self.open.pop(key)
+            elif now > handle.deadline:
+                handle.advance(TransferState.FAILED, f"no acknowledgement from {handle.dest} before the timeout")
+                self.open.pop(key)
+
+    def close(self) -> None:
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.sockets.clear()
+        if self._own_ctx:
+            self.ctx.term()
+
+
+class ZmqReceiver(KVReceiver):
+    """Binds a ROUTER socket. Not thread-safe except `ack`, which may come from any thread."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 hwm: int = DEFAULT_HWM) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.RCVHWM, hwm)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            self.sock.bind(tcp_address(host, port))
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.port = port
+        self.address = tcp_address(advertise_host or host, port)
+        self._acks: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._lock = threading.Lock()
+
+    def _queue_ack(self, ident: bytes, rid: str, ok: bool, err: str) -> None:
+        with self._lock:
+            self._acks.append((ident, msgpack.packb({"rid": rid, "ok": ok, "err": err})))
+
+    def _flush_acks(self) -> None:
+        with self._lock:
+            while self._acks:
+                ident, msg = self._acks.popleft()
+                try:
+                    self.sock.send_multipart([ident, msg], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass  # the peer is gone; its own timeout reports the failure
+
+    def poll(self, timeout_s: float = 0.0) -> list[ReceivedKV]:
+        self._flush_acks()
+        out: list[ReceivedKV] = []
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return out
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            ident = parts[0].bytes
+            try:
+                if len(parts) < 2:
+                    raise TransferError("empty transfer message")
+                header = KVHeader.decode(parts[1].buffer)
+            except TransferError as e:
+                self._queue_ack(ident, "", False, str(e))
+                continue
+            frames = [p.buffer for p in parts[2:]]
+            rid = header.request_id
+            out.append(ReceivedKV(header, frames, lambda ok, err, i=ident, r=rid: self._queue_ack(i, r, ok, err)))
+        self._flush_acks()
+        return out
+
+    def close(self) -> None:
+        self._flush_acks()
+        self.sock.close(linger=0)
+        self.ctx.term()
