@@ -28,7 +28,7 @@ test: install proto-check lint
 	$(PY) -m pytest -q tests
 
 demo: install
-	$(PY) -m pdserve.cli demo --model $(MODEL)
+	$(PY) -m pdserve.cli demo --config configs/local.yaml --model $(MODEL)
 
 bench: install
 	$(PY) bench/engine.py

@@ -1,47 +1,262 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line: up, generate, status, scale, the standalone components, demo."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
+import signal
 import sys
+import threading
 import time
 
 DEMO_PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog was sad because"]
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Stream a few prompts through the engine and print each answer with its timings."""
-    from engine import EngineConfig, LLMEngine, SamplingParams
+def _config(args: argparse.Namespace):
+    from pdserve.config import load_config
 
-    eng = LLMEngine(EngineConfig(model=args.model, num_threads=args.threads))
-    print(f"model: {args.model}  ({eng.spec.architecture}, {eng.kv.num_blocks} KV blocks)\n")
-    for prompt in DEMO_PROMPTS:
-        t0 = time.perf_counter()
-        eng.add_request(None, prompt, SamplingParams(max_tokens=args.max_tokens, temperature=0))
-        print(f"> {prompt}", end="", flush=True)
-        first = last = None
-        n = 0
-        while eng.has_unfinished():
-            for out in eng.step():
-                now = time.perf_counter()
-                first = first or now
-                last, n = now, n + len(out.new_token_ids)
-                print(out.text_delta, end="", flush=True)
-        ttft = (first - t0) * 1e3
-        tpot = (last - first) * 1e3 / max(n - 1, 1)
-        print(f"\n  [{n} tokens, TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms]\n")
+    overrides = {"model": getattr(args, "model", None)}
+    if getattr(args, "transport", None):
+        overrides["transfer.transport"] = args.transport
+    if getattr(args, "port", None) is not None:
+        overrides["router.port"] = args.port
+    try:
+        cfg = load_config(args.config, **overrides)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from e
+    from engine.loader import ModelLoadError, resolve_model_path
+
+    try:
+        resolve_model_path(cfg.model)
+    except ModelLoadError as e:
+        raise SystemExit(f"error: {e}\n  use --model PATH or set 'model:' in {args.config or 'the config'}") from e
+    return cfg
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start router + pools as Ray actors; print the router address; stop cleanly on Ctrl-C."""
+    from pdserve.launch.cluster import RayCluster
+
+    cfg = _config(args)
+    cluster = RayCluster(cfg)
+    t0 = time.perf_counter()
+    try:
+        addr = cluster.start()
+        print(f"pdserve router ready at grpc://{addr}  ({cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode "
+              f"workers, {cfg.transfer.transport} transfer, {time.perf_counter() - t0:.1f}s)", flush=True)
+        print("press Ctrl-C to stop", flush=True)
+        _wait_for_signal()
+    finally:
+        print("stopping...", flush=True)
+        cluster.stop()
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.client import RouterClient, fields, make_request
+
+    req = make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                       top_p=args.top_p, top_k=args.top_k, stop=args.stop or None)
+    ids: list[int] = []
+    try:
+        with RouterClient(args.router) as client:
+            for msg in client.stream(req, timeout=args.timeout):
+                ids += msg.token_ids
+                if args.json:
+                    final = bool(msg.finish_reason)
+                    print(json.dumps({"request_id": msg.request_id, "text": msg.text, "token_ids": list(ids),
+                                      "new_token_ids": list(msg.token_ids), "finish_reason": msg.finish_reason or None,
+                                      "usage": fields(msg.usage) if final else None,
+                                      "timings": fields(msg.timings) if final else None}), flush=True)
+                else:
+                    print(msg.text, end="", flush=True)
+                    if msg.finish_reason:
+                        t = msg.timings
+                        u = msg.usage
+                        print(f"\n[{msg.finish_reason}; {u.completion_tokens} tokens, {u.cached_tokens} cached; "
+                              f"TTFT {t.ttft * 1e3:.1f} ms, TPOT {t.tpot * 1e3:.2f} ms]", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pdserve.client import RouterClient
+
+    with RouterClient(args.router) as client:
+        st = client.status()
+    print(f"model {st.model}  transport {st.transport}  queued {st.queued_requests}")
+    for p in st.pools:
+        print(f"pool {p.role:8s} replicas {p.replicas} (target {p.target_replicas})")
+    hdr = f"{'worker':14s} {'role':8s} {'state':9s} {'address':22s} {'run':>4s} {'wait':>4s} {'infl':>4s} " \
+          f"{'served':>6s} {'kv used':>8s} {'cached':>7s} {'hb age':>6s}"
+    print(hdr)
+    for w in st.workers:
+        print(f"{w.worker_id:14s} {w.role:8s} {w.state:9s} {w.address:22s} {w.num_running:4d} {w.num_waiting:4d} "
+              f"{w.inflight:4d} {w.requests_served:6d} {100 * w.kv_usage:7.1f}% {w.cached_blocks:7d} "
+              f"{w.last_heartbeat_age_s:5.1f}s")
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.client import RouterClient
+
+    try:
+        with RouterClient(args.router) as client:
+            r = client.scale(args.pool, args.replicas)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    print(f"{args.pool}: {r.previous} -> {r.target}; adding {list(r.adding)}; draining {list(r.draining)}")
+    return 0
+
+
+def _run_async(coro) -> int:
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await coro(stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from router import serve
+
+    cfg = _config(args)
+
+    async def run(stop):
+        started = asyncio.get_running_loop().create_future()
+        started.add_done_callback(lambda f: print(f"router serving on {f.result()}", flush=True))
+        await serve(cfg, None, stop, started)
+
+    return _run_async(run)
+
+
+def _cmd_worker(args: argparse.Namespace, role: str) -> int:
+    import os
+    import socket
+
+    cfg = _config(args)
+    router_addr = args.router or f"{cfg.router.advertise_host or cfg.router.host}:{cfg.router.port}"
+    worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
+    if role == "prefill":
+        from prefill_worker import serve
+    else:
+        from decode_worker import serve
+
+    async def run(stop):
+        started = asyncio.get_running_loop().create_future()
+        started.add_done_callback(lambda f: print(f"{role} worker {worker_id} serving on {f.result()}", flush=True))
+        await serve(cfg, worker_id, router_addr, stop, started)
+
+    return _run_async(run)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Start a local cluster, stream a few prompts through it, print answers and timings."""
+    from pdserve.client import RouterClient, make_request
+    from pdserve.launch.cluster import RayCluster
+
+    cfg = _config(args)
+    print(f"starting a local cluster on {cfg.model}: 1 prefill + 1 decode worker ({cfg.transfer.transport})...",
+          flush=True)
+    t0 = time.perf_counter()
+    with RayCluster(cfg) as cluster:
+        print(f"router ready at grpc://{cluster.address} after {time.perf_counter() - t0:.1f}s\n", flush=True)
+        with RouterClient(cluster.address) as client:
+            for prompt in DEMO_PROMPTS:
+                print(f"> {prompt}", end="", flush=True)
+                final = None
+                t_start = time.perf_counter()
+                for msg in client.stream(make_request(prompt, max_tokens=args.max_tokens), timeout=120):
+                    print(msg.text, end="", flush=True)
+                    if msg.finish_reason:
+                        final = msg
+                wall = time.perf_counter() - t_start
+                t, u = final.timings, final.usage
+                print(f"\n  [{u.completion_tokens} tokens via {final.prefill_worker} -> {final.decode_worker}; "
+                      f"TTFT {t.ttft * 1e3:.1f} ms (prefill {t.prefill * 1e3:.1f} ms), KV transfer "
+                      f"{t.kv_transfer * 1e3:.1f} ms / {u.kv_transfer_bytes} B, TPOT {t.tpot * 1e3:.2f} ms, "
+                      f"total {wall * 1e3:.0f} ms]\n", flush=True)
+    print("cluster stopped.")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="generate a few stories on the local engine")
-    demo.add_argument("--model", default="../shared/models/stories260K")
-    demo.add_argument("--max-tokens", type=int, default=60)
-    demo.add_argument("--threads", type=int, default=None)
-    demo.set_defaults(func=cmd_demo)
+
+    def with_config(p: argparse.ArgumentParser, default: str | None = "configs/local.yaml") -> None:
+        p.add_argument("--config", default=default, help="cluster YAML (default: %(default)s)")
+        p.add_argument("--model", default=None, help="local Hugging Face model folder (overrides the YAML)")
+        p.add_argument("--transport", choices=["zmq", "grpc"], default=None, help="KV transfer transport")
+
+    p = sub.add_parser("up", help="start router + pools as Ray actors")
+    with_config(p)
+    p.add_argument("--port", type=int, default=None, help="router port (overrides the YAML)")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("generate", help="stream a completion from a running router")
+    p.add_argument("prompt")
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--timeout", type=float, default=300)
+    p.add_argument("--json", action="store_true", help="one JSON object per streamed message")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("status", help="pools, workers, load and KV usage")
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("scale", help="grow or drain a pool")
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.add_argument("--pool", choices=["prefill", "decode"], required=True)
+    p.add_argument("--replicas", type=int, required=True)
+    p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser("router", help="run the router alone (Kubernetes)")
+    with_config(p)
+    p.add_argument("--port", type=int, default=None)
+    p.set_defaults(func=cmd_router)
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"run one {role} worker alone (Kubernetes)")
+        with_config(p)
+        p.add_argument("--router", default=None, help="router HOST:PORT (default: from the config)")
+        p.add_argument("--worker-id", default=None)
+        p.set_defaults(func=lambda a, r=role: _cmd_worker(a, r))
+
+    p = sub.add_parser("demo", help="start a local cluster and stream a few stories")
+    with_config(p)
+    p.add_argument("--max-tokens", type=int, default=60)
+    p.add_argument("--port", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
 

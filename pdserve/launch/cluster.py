@@ -1,0 +1,64 @@
+"""`pdserve up` as a library: a Ray-hosted cluster (router + pools) with clean start and stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pdserve.config import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+
+class RayCluster:
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.router = None
+        self.address = ""
+        self._own_ray = False
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        import ray
+
+        from pdserve.launch.actors import RouterActor
+
+        if not ray.is_initialized():
+            r = self.cfg.ray
+            if r.address in (None, "", "local"):
+                ray.init(address="local", _node_ip_address=r.node_ip_address, include_dashboard=False,
+                         num_cpus=r.num_cpus or os.cpu_count(), log_to_driver=False, configure_logging=False)
+            else:
+                ray.init(address=r.address, log_to_driver=False)
+            self._own_ray = True
+        cfg = self.cfg.model_dump()
+        self.router = RouterActor.options(name=f"pdserve-router-{os.getpid()}").remote(cfg)
+        self.address = ray.get(self.router.address.remote(120.0), timeout=180)
+        ray.get(self.router.start_pools.remote(self.cfg.prefill.replicas, self.cfg.decode.replicas, timeout_s),
+                timeout=timeout_s + 30)
+        return self.address
+
+    def worker_pids(self) -> dict[str, int]:
+        import ray
+
+        return ray.get(self.router.worker_pids.remote(), timeout=60)
+
+    def stop(self) -> None:
+        import ray
+
+        if self.router is not None:
+            try:
+                ray.get(self.router.shutdown.remote(), timeout=60)
+            except Exception as e:
+                log.warning("router shutdown: %r", e)
+            ray.kill(self.router, no_restart=True)
+            self.router = None
+        if self._own_ray and ray.is_initialized():
+            ray.shutdown()
+            self._own_ray = False
+
+    def __enter__(self) -> RayCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
