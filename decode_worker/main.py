@@ -18,6 +18,7 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
                              advertise_host=pool.advertise_host)
     rt.transfer_address = receiver.address
     service = DecodeService(rt, receiver)
+    rt.service = service
     try:
         await rt.start(lambda server: add_to_server(server, service))
         if started is not None and not started.done():

@@ -102,7 +102,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             try:
                 meta = await asyncio.wait_for(self.pending[rid].arrived, timeout)
             except TimeoutError:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                await context.abort(grpc.StatusCode.ABORTED,
                                     f"KV transfer for {rid} did not arrive within {timeout:.1f}s")
             except TransferError as e:
                 await context.abort(grpc.StatusCode.DATA_LOSS, f"KV transfer rejected: {e}")

@@ -15,6 +15,7 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
     rt = WorkerRuntime(cfg, "prefill", worker_id, router_address)
     sender = make_sender(cfg.transfer.transport)
     service = PrefillService(rt, sender)
+    rt.service = service
     try:
         await rt.start(lambda server: add_to_server(server, service))
         if started is not None and not started.done():

@@ -127,8 +127,11 @@ class RouterCore:
         queued = False
         try:
             while True:
-                workers = [w for w in self.members.active("decode") if w.worker_id not in exclude]
-                for w in self.policy.rank_decode(workers, st.prefix, need):
+                ranked = self.policy.rank_decode(self.members.active("decode"), st.prefix, need)
+                # After a failed attempt, other workers first; the same one only as a last resort.
+                ranked = [w for w in ranked if w.worker_id not in exclude] + \
+                         [w for w in ranked if w.worker_id in exclude]
+                for w in ranked:
                     call = w.stub.Decode(wpb.DecodeRequest(
                         request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
                         transfer_timeout_s=self.cfg.transfer.timeout_s), timeout=max(st.remaining, 0.001))
@@ -301,6 +304,9 @@ class RouterCore:
             if e.code() in (grpc.StatusCode.UNAVAILABLE,):
                 self.members.drop(worker.worker_id, f"failed mid-request ({e.details()})")
                 st.fail(grpc.StatusCode.UNAVAILABLE, f"{worker.role} worker {worker.worker_id} failed: {e.details()}")
+            elif e.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED):
+                # The decode worker rejected or never got the KV: a transfer failure, retryable.
+                st.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {worker.worker_id} failed: {e.details()}")
             elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and st.remaining <= 0:
                 st.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
             else:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
+from typing import ClassVar
 
 import grpc
 
@@ -21,6 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class WorkerRuntime:
+    instances: ClassVar[weakref.WeakSet[WorkerRuntime]] = weakref.WeakSet()  # live ones, for introspection
+
     def __init__(self, cfg: ClusterConfig, role: str, worker_id: str, router_address: str) -> None:
         self.cfg, self.role, self.worker_id, self.router_address = cfg, role, worker_id, router_address
         self.pool = cfg.pool(role)
@@ -33,7 +37,9 @@ class WorkerRuntime:
         self.served = 0
         self.reserved_blocks = 0
         self.state = "active"
+        self.service: object | None = None  # the role's gRPC servicer, for introspection
         self._hb_task: asyncio.Task | None = None
+        WorkerRuntime.instances.add(self)
 
     @property
     def engine_loop(self) -> EngineLoop:
