@@ -135,15 +135,19 @@ class RouterCore:
                     call = w.stub.Decode(wpb.DecodeRequest(
                         request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
                         transfer_timeout_s=self.cfg.transfer.timeout_s), timeout=max(st.remaining, 0.001))
+                    # Count the request against the worker now, so concurrent admissions spread out.
+                    w.inflight[st.request_id] = st.fail
                     try:
                         first = await call.read()
                     except grpc.aio.AioRpcError as e:
+                        w.inflight.pop(st.request_id, None)
                         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                             raise RequestFailed(e.code(), e.details()) from e
                         if e.code() == grpc.StatusCode.UNAVAILABLE:
                             self.members.drop(w.worker_id, f"unreachable ({e.details()})")
                         continue
                     if first is grpc.aio.EOF or not first.reservation.ok:
+                        w.inflight.pop(st.request_id, None)
                         if first is not grpc.aio.EOF:
                             w.observe_free(first.reservation.free_blocks)
                         call.cancel()
@@ -204,7 +208,6 @@ class RouterCore:
         t_adm = time.monotonic()
         dw, dcall, res = await self._reserve(st, tried)
         st.calls = [dcall]
-        dw.inflight[st.request_id] = st.fail
         pw = self.policy.pick_prefill(self.members.active("prefill"), st.prefix)
         if pw is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import decode_worker
 import prefill_worker
@@ -94,3 +95,25 @@ class InProcessCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+HEARTBEAT = 0.5
+
+
+def cluster_config(model: str, transport: str, prefill: int, decode: int, **extra):
+    return load_config(Path(__file__).resolve().parent.parent / "configs" / "local.yaml", **{
+        "model": model, "router.port": 0, "transfer.transport": transport, "heartbeat.interval_s": HEARTBEAT,
+        "prefill.replicas": prefill, "decode.replicas": decode, "engine.kv_cache_memory_bytes": 32 << 20, **extra})
+
+
+def wait_pools_empty(client: RouterClient, timeout: float = 20.0) -> None:
+    """Every worker's pool back to zero referenced blocks (as its heartbeats report)."""
+    time.sleep(2.5 * HEARTBEAT)
+    end = time.monotonic() + timeout
+    while True:
+        st = client.status()
+        used = {w.worker_id: w.used_blocks for w in st.workers if w.used_blocks or w.num_running}
+        if not used:
+            return
+        assert time.monotonic() < end, f"blocks still referenced: {used}"
+        time.sleep(HEARTBEAT)

@@ -101,3 +101,12 @@ def check_close(ref: dict, ours: dict, name: str, tol: float = 1e-4) -> None:
             f"{name}: diverged at {pos} with distant logprobs"
         return
     assert len(ours["token_ids"]) == len(ref["token_ids"]), f"{name}: lengths differ"
+
+
+@pytest.fixture(scope="session")
+def story(stories_path) -> list[int]:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    ids = eng.tokenize("Once upon a time")
+    return ids + eng.generate([ids], SamplingParams(max_tokens=420, temperature=0, ignore_eos=True))[0]["token_ids"]

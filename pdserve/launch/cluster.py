@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 from pdserve.config import ClusterConfig
 
@@ -31,7 +32,7 @@ class RayCluster:
                 ray.init(address=r.address, log_to_driver=False)
             self._own_ray = True
         cfg = self.cfg.model_dump()
-        self.router = RouterActor.options(name=f"pdserve-router-{os.getpid()}").remote(cfg)
+        self.router = RouterActor.options(name=f"pdserve-router-{uuid.uuid4().hex[:8]}").remote(cfg)
         self.address = ray.get(self.router.address.remote(120.0), timeout=180)
         ray.get(self.router.start_pools.remote(self.cfg.prefill.replicas, self.cfg.decode.replicas, timeout_s),
                 timeout=timeout_s + 30)

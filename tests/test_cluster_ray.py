@@ -1,0 +1,118 @@
+"""End to end on real local clusters: router and pools as Ray actors, KV over each transport."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from pdserve.client import RouterClient, make_request
+from pdserve.launch.cluster import RayCluster
+from tests.cluster_utils import HEARTBEAT, cluster_config, wait_pools_empty
+from tests.conftest import hf_greedy
+
+
+@pytest.fixture(scope="module", params=["zmq", "grpc"])
+def cluster(request, stories_path):
+    with RayCluster(cluster_config(stories_path, request.param, 2, 2)) as c:
+        c.transport = request.param
+        yield c
+
+
+def test_32_concurrent_requests_match_transformers(cluster, stories_path, story):
+    system = story[:40]
+    prompts = []
+    for i in range(32):
+        if i % 2:
+            prompts.append(system + story[60 + 5 * i: 60 + 5 * i + 3 + i])  # shared system prompt
+        else:
+            prompts.append(story[: 1 + (i * 37) % 300])  # prefixes of one story: lengths 1..300
+    max_tokens = [8 + (i * 7) % 40 for i in range(32)]
+    refs = [hf_greedy(stories_path, p, m)["token_ids"] for p, m in zip(prompts, max_tokens, strict=True)]
+    with RouterClient(cluster.address) as client, ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(lambda a: client.generate(make_request(a[0], max_tokens=a[1]), timeout=120),
+                             zip(prompts, max_tokens, strict=True)))
+        for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+            assert out.token_ids == ref, f"request {i} (prompt {len(prompts[i])} tokens) differs"
+            assert out.usage["completion_tokens"] == len(ref)
+        workers = {o.prefill_worker for o in outs} | {o.decode_worker for o in outs}
+        assert len(workers) == 4, f"all four workers should serve under load, got {workers}"
+        wait_pools_empty(client)
+
+
+def test_shared_prefix_hits_cache_and_ships_fewer_bytes(cluster, story):
+    system = story[:150]
+    block_bytes = 5 * 2 * 16 * 4 * 8 * 4  # layers x (K,V) x block x kv_heads x head_dim x fp32
+    with RouterClient(cluster.address) as client:
+        warm = client.generate(make_request(system + story[200:205], max_tokens=5), timeout=60)
+        assert warm.usage["kv_transfer_bytes"] > 0
+        followers = [client.generate(make_request(system + story[210 + 9 * i: 216 + 9 * i], max_tokens=5), timeout=60)
+                     for i in range(4)]
+        same = [f for f in followers if (f.prefill_worker, f.decode_worker) == (warm.prefill_worker,
+                                                                                warm.decode_worker)]
+        assert same, "prefix-aware routing should send followers to the warm workers"
+        for f in same:
+            full = -(-f.usage["prompt_tokens"] // 16) * block_bytes
+            assert f.usage["cached_tokens"] >= 144
+            assert f.usage["kv_transfer_bytes"] < full - 8 * block_bytes  # the decode side already held the prefix
+        wait_pools_empty(client)
+
+
+def test_cancellation_frees_blocks_on_both_workers(cluster, story):
+    with RouterClient(cluster.address) as client:
+        streams = [client.stream(make_request(story[:50], max_tokens=400, ignore_eos=True), timeout=60)
+                   for _ in range(4)]
+        for s in streams:
+            next(s)
+        for s in streams:
+            s.cancel()
+        wait_pools_empty(client)
+
+
+def test_sigkill_decode_worker_mid_stream(cluster, story):
+    """Runs last on each cluster: afterwards one decode worker is gone."""
+    pids = cluster.worker_pids()
+    victim = "decode-0"
+    results: dict[int, object] = {}
+    first_token = threading.Event()
+
+    def run(i: int) -> None:
+        with RouterClient(cluster.address) as client:
+            req = make_request(story[: 10 + i], max_tokens=450, ignore_eos=True)
+            try:
+                out = None
+                for msg in client.stream(req, timeout=120):
+                    first_token.set()
+                    out = out or msg
+                    if msg.finish_reason:
+                        results[i] = ("ok", msg.decode_worker or out.decode_worker, time.monotonic())
+                results.setdefault(i, ("ok", out.decode_worker, time.monotonic()))
+            except grpc.RpcError as e:
+                results[i] = (e.code(), e.details(), time.monotonic())
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    assert first_token.wait(30)
+    time.sleep(0.3)
+    killed_at = time.monotonic()
+    os.kill(pids[victim], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    failed = {i: r for i, r in results.items() if r[0] != "ok"}
+    assert failed, "some requests were on the killed worker"
+    for code, details, when in failed.values():
+        assert code == grpc.StatusCode.UNAVAILABLE and victim in details
+        assert when - killed_at < 2 * HEARTBEAT + 0.5
+    assert len(failed) < 8 and all(r[1] != victim for r in results.values() if r[0] == "ok")
+    with RouterClient(cluster.address) as client:
+        st = client.status()
+        assert victim not in {w.worker_id for w in st.workers}
+        outs = [client.generate(make_request(story[:20], max_tokens=10), timeout=60) for _ in range(4)]
+        assert all(o.decode_worker != victim and o.finish_reason == "length" for o in outs)
+        wait_pools_empty(client)

@@ -1,0 +1,60 @@
+"""Pools grow and shrink while requests stream; leaving workers drain, nothing is lost."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.client import RouterClient, make_request
+from pdserve.launch.cluster import RayCluster
+from tests.cluster_utils import cluster_config, wait_pools_empty
+
+
+def test_scale_decode_pool_while_streaming(stories_path, story):
+    ref_engine = LLMEngine(EngineConfig(model=stories_path))
+    prompts = [story[: 5 + 3 * i] for i in range(16)]
+    params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+    refs = [r["token_ids"] for r in ref_engine.generate(prompts, params)]
+    cfg = cluster_config(stories_path, "zmq", 1, 1)
+    results: dict[int, object] = {}
+
+    with RayCluster(cfg) as cluster, RouterClient(cluster.address) as client:
+        def run(i: int) -> None:
+            try:
+                results[i] = client.generate(make_request(prompts[i], max_tokens=300, ignore_eos=True), timeout=300)
+            except grpc.RpcError as e:
+                results[i] = e
+
+        pool = ThreadPoolExecutor(16)
+        futs = [pool.submit(run, i) for i in range(4)]
+        client.scale("decode", 3)
+        end = time.monotonic() + 120
+        while client.health().decode_workers < 3:
+            assert time.monotonic() < end, "new decode workers never registered"
+            time.sleep(0.2)
+        futs += [pool.submit(run, i) for i in range(4, 12)]
+        time.sleep(1.0)
+        st = client.status()
+        busy_new = {w.worker_id for w in st.workers if w.role == "decode" and w.worker_id != "decode-0"
+                    and (w.inflight or w.requests_served)}
+        assert busy_new, "the new decode workers should take part of the load"
+        r = client.scale("decode", 1)
+        assert len(r.draining) == 2
+        futs += [pool.submit(run, i) for i in range(12, 16)]
+        for f in futs:
+            f.result(300)
+        pool.shutdown()
+        for i in range(16):
+            out = results[i]
+            assert not isinstance(out, grpc.RpcError), f"request {i} failed: {out}"
+            assert out.token_ids == refs[i], f"request {i} got other tokens"
+        served_by = {out.decode_worker for out in results.values()}
+        assert served_by - {"decode-0"}, "some requests were served by the added workers"
+        end = time.monotonic() + 60
+        while client.health().decode_workers != 1 or len(client.status().workers) != 2:
+            assert time.monotonic() < end, "drained workers were not removed"
+            time.sleep(0.3)
+        wait_pools_empty(client)
