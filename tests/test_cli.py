@@ -1,0 +1,135 @@
+"""The command line as a user runs it: real subprocesses, real ports, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from tests.conftest import hf_greedy
+
+ROOT = Path(__file__).resolve().parent.parent
+PDSERVE = [sys.executable, "-m", "pdserve.cli"]
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> str:
+    end = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"never printed {needle!r}; output: {''.join(seen)}; rc={proc.poll()}")
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDSERVE, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 90) -> list[psutil.Process]:
+    """Signal the process, wait for it, return any of its descendants still alive."""
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(sig)
+    proc.wait(timeout)
+    gone, alive = psutil.wait_procs(kids, timeout=20)
+    return alive
+
+
+def test_up_generate_status_scale_and_clean_stop(stories_path):
+    up = subprocess.Popen([*PDSERVE, "up", "--config", "configs/local.yaml", "--port", "0"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = wait_line(up, "router ready at grpc://")
+        addr = line.split("grpc://")[1].split()[0]
+        r = run_cli("generate", "--router", addr, "--max-tokens", "20", "--json", "Once upon a time")
+        assert r.returncode == 0, r.stderr
+        msgs = [json.loads(x) for x in r.stdout.splitlines()]
+        final = msgs[-1]
+        for key in ("text", "token_ids", "finish_reason", "usage", "timings"):
+            assert key in final
+        assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 20
+        ids = [1, 403, 407, 261, 378]  # "Once upon a time" with BOS
+        assert final["token_ids"] == hf_greedy(stories_path, ids, 20)["token_ids"]
+        assert "".join(m["text"] for m in msgs).startswith(", there was a little girl named Lily")
+        r = run_cli("generate", "--router", addr, "Once upon a time")
+        assert r.returncode == 0 and "TTFT" in r.stderr
+        r = run_cli("status", "--router", addr)
+        assert r.returncode == 0 and "prefill-0" in r.stdout and "decode-0" in r.stdout
+        r = run_cli("scale", "--router", addr, "--pool", "prefill", "--replicas", "2")
+        assert r.returncode == 0 and "prefill-1" in r.stdout
+        r = run_cli("generate", "--router", addr, "--temperature", "-1", "hi")
+        assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr
+    finally:
+        alive = stop(up)
+    assert up.returncode == 0
+    assert not alive, f"processes left behind: {[p.cmdline()[:3] for p in alive]}"
+
+
+def test_missing_model_names_the_fix():
+    r = run_cli("up", "--model", "/nonexistent/model")
+    assert r.returncode != 0 and "not found" in r.stderr and "--model" in r.stderr
+
+
+def test_standalone_components_across_addresses(stories_path, tmp_path):
+    """`pdserve router|prefill|decode` as Kubernetes runs them: separate processes, each bound to
+    its own address, workers registering and heartbeating to the router."""
+    rport = free_port("127.0.0.2")
+    cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    cfg.update(model=stories_path, heartbeat={"interval_s": 0.5})
+    cfg["router"].update(host="127.0.0.2", port=rport)
+    cfg["prefill"].update(host="127.0.0.3")
+    cfg["decode"].update(host="127.0.0.4")
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = {name: subprocess.Popen([*PDSERVE, name, "--config", str(path)], cwd=ROOT, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name in ("router", "prefill", "decode")}
+    try:
+        assert "127.0.0.2" in wait_line(procs["router"], "router serving on")
+        assert "127.0.0.3" in wait_line(procs["prefill"], "serving on")
+        assert "127.0.0.4" in wait_line(procs["decode"], "serving on")
+        addr = f"127.0.0.2:{rport}"
+        end = time.monotonic() + 60
+        while "decode-" not in run_cli("status", "--router", addr).stdout or \
+                "prefill-" not in run_cli("status", "--router", addr).stdout:
+            assert time.monotonic() < end
+            time.sleep(0.5)
+        r = run_cli("generate", "--router", addr, "--max-tokens", "12", "--json", "Once upon a time")
+        final = json.loads(r.stdout.splitlines()[-1])
+        assert final["token_ids"] == hf_greedy(stories_path, [1, 403, 407, 261, 378], 12)["token_ids"]
+        r = run_cli("scale", "--router", addr, "--pool", "decode", "--replicas", "2")
+        assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stderr
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            p.wait(30)
+    assert all(p.returncode == 0 for p in procs.values()), {n: p.returncode for n, p in procs.items()}
+
+
+@pytest.mark.parametrize("cmd", [["status", "--router", "127.0.0.1:1"]])
+def test_unreachable_router_is_an_error(cmd):
+    r = run_cli(*cmd, timeout=60)
+    assert r.returncode != 0
