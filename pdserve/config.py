@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -119,7 +120,8 @@ def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
         p = Path(path)
         if not p.exists():
             raise FileNotFoundError(f"config file {p} not found")
-        data = yaml.safe_load(p.read_text()) or {}
+        # ${VAR} in the YAML expands from the environment (e.g. the pod IP under Kubernetes).
+        data = yaml.safe_load(os.path.expandvars(p.read_text())) or {}
     for key, value in overrides.items():
         if value is None:
             continue
