@@ -48,7 +48,7 @@ def test_manifests_fit_together(tmp_path, monkeypatch):
     assert cfg.router.advertise_host == "10.0.0.7" and cfg.decode.transfer_port == 50071
     svc_port = svc["spec"]["ports"][0]["port"]
     assert svc_port == cfg.router.port
-    for name, dep in deps.items():
+    for dep in deps.values():
         spec = dep["spec"]["template"]["spec"]
         c = spec["containers"][0]
         role = c["command"][1]
