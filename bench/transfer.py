@@ -1,0 +1,224 @@
+"""KV transfer throughput pool -> pool between two processes, and the TTFT split.
+
+Part 1: for 1, 16 and 256 MiB of KV blocks (the 50M benchmark model's block geometry), each
+transport moves blocks from one process's block-major pool into another's, through the real
+code path: pack (frame runs + xxh3 per frame), wire, checks (checksums, geometry, hash chain)
+and landing in the reserved blocks, acknowledged back to the sender. Baseline in the same run:
+raw ZeroMQ PUSH/PULL of the same bytes with a one-message acknowledgement.
+
+Part 2: TTFT split into queue / prefill / first-token delivery, plus the KV transfer time, for
+128- and 2048-token prompts through a real router + prefill + decode on the 50M model.
+
+Writes bench/out/transfer.json. Run: .venv/bin/python bench/transfer.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+OUT = Path(__file__).resolve().parent / "out"
+SIZES_MIB = [1, 16, 256]
+BLOCK_SHAPE = (8, 2, 16, 4, 64)  # layers, K/V, block_size, kv_heads, head_dim of the 50M model
+BLOCK_SIZE = 16
+
+
+def tokens_for(rid: str, n_blocks: int) -> list[int]:
+    import random
+
+    rng = random.Random(rid)
+    return [rng.randrange(3, 32000) for _ in range(n_blocks * BLOCK_SIZE)]
+
+
+def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int) -> None:
+    import threading
+
+    import torch
+    import zmq
+
+    from decode_worker.kv_import import check_and_land
+    from engine import KVReservation
+    from engine.hashing import hash_blocks
+    from transfer import make_receiver
+
+    torch.set_num_threads(1)
+    pool = torch.zeros((pool_blocks, *BLOCK_SHAPE))
+    if transport == "raw":
+        ctx = zmq.Context()
+        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        addr_q.put(f"tcp://127.0.0.1:{port}")
+        push.connect(ctrl_q.get())
+        while True:
+            parts = pull.recv_multipart(copy=False)
+            if parts[0].bytes == b"stop":
+                break
+            push.send(parts[0].bytes)
+        return
+    rx = make_receiver(transport, host="127.0.0.1")
+    addr_q.put(rx.address)
+    stop = threading.Event()
+    timings: dict[str, dict] = {}
+
+    def loop() -> None:
+        while not stop.is_set():
+            for item in rx.poll(0.02):
+                h = item.header
+                t0 = time.perf_counter()
+                n = h.num_blocks
+                ids = list(range(n))
+                res = KVReservation(h.request_id, ids, 0, n, hash_blocks(tokens_for(h.request_id, n), BLOCK_SIZE))
+                try:
+                    check_and_land(h, item.frames, res, pool)
+                    item.ack(True)
+                except Exception as e:
+                    item.ack(False, str(e))
+                timings[h.request_id] = {"check_and_land_s": time.perf_counter() - t0}
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    ctrl_q.get()  # wait for "stop"
+    stop.set()
+    t.join()
+    result_q.put(timings)
+    rx.close()
+
+
+def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
+    import torch
+    import zmq
+
+    from engine import KVExport
+    from engine.hashing import hash_blocks
+    from prefill_worker.kv_export import pack_export
+    from transfer import TransferState, make_sender
+
+    block_nbytes = torch.empty(BLOCK_SHAPE).nbytes
+    max_blocks = max(sizes) * (1 << 20) // block_nbytes
+    pool = torch.randn((max_blocks, *BLOCK_SHAPE))
+    ctx = mp.get_context("spawn")
+    addr_q, ctrl_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=receiver_main, args=(transport, addr_q, ctrl_q, result_q, max_blocks), daemon=True)
+    proc.start()
+    addr = addr_q.get(timeout=60)
+    rows = []
+    if transport == "raw":
+        zctx = zmq.Context()
+        push, pull = zctx.socket(zmq.PUSH), zctx.socket(zmq.PULL)
+        back = pull.bind_to_random_port("tcp://127.0.0.1")
+        ctrl_q.put(f"tcp://127.0.0.1:{back}")
+        push.connect(addr)
+        for size in sizes:
+            n = size * (1 << 20) // block_nbytes
+            frame = memoryview(pool[:n].reshape(-1).view(torch.uint8).numpy())
+            best = float("inf")
+            for r in range(reps + 1):
+                t0 = time.perf_counter()
+                push.send_multipart([f"{size}-{r}".encode(), frame], copy=False)
+                pull.recv()
+                if r:  # first run warms the connection
+                    best = min(best, time.perf_counter() - t0)
+            rows.append({"transport": "raw_zmq", "mib": size, "seconds": best,
+                         "gb_per_s": n * block_nbytes / best / 1e9})
+        push.send_multipart([b"stop"])
+        proc.join(30)
+        return rows
+    sender = make_sender(transport)
+    export_times: dict[str, float] = {}
+    totals: dict[str, float] = {}
+    for size in sizes:
+        n = size * (1 << 20) // block_nbytes
+        for r in range(reps + 1):
+            rid = f"{transport}-{size}-{r}"
+            toks = tokens_for(rid, n)
+            t0 = time.perf_counter()
+            exp = KVExport(rid, toks, hash_blocks(toks, BLOCK_SIZE), list(range(n)), [], 0, 0.0)
+            header, frames = pack_export(exp, pool, 16 << 20)
+            t1 = time.perf_counter()
+            handle = sender.send(addr, header, frames, timeout_s=120)
+            while not handle.done:
+                sender.poll()
+                time.sleep(0.0002)
+            if handle.state is not TransferState.DONE:
+                raise RuntimeError(f"{rid}: {handle.error}")
+            export_times[rid] = t1 - t0
+            totals[rid] = time.perf_counter() - t0
+    ctrl_q.put("stop")
+    recv = result_q.get(timeout=60)
+    proc.join(30)
+    sender.close()
+    for size in sizes:
+        n = size * (1 << 20) // block_nbytes
+        rid = min((f"{transport}-{size}-{r}" for r in range(1, reps + 1)), key=lambda k: totals[k])
+        t = totals[rid]
+        land = recv[rid]["check_and_land_s"]
+        rows.append({"transport": transport, "mib": size, "seconds": t, "gb_per_s": n * block_nbytes / t / 1e9,
+                     "breakdown_s": {"pack_and_checksum": export_times[rid], "check_and_land": land,
+                                     "wire_and_ack": t - export_times[rid] - land}})
+    return rows
+
+
+def ttft_split(quick: bool) -> list[dict]:
+    from model_factory import build_bench_model, random_prompt
+
+    from pdserve.client import RouterClient, make_request
+    from pdserve.config import load_config
+    from pdserve.launch.inprocess import InProcessCluster
+
+    path = build_bench_model()
+    cfg = load_config(None, **{"model": str(path), "router.port": 0, "engine.num_threads": 2,
+                               "engine.max_num_batched_tokens": 4096, "engine.kv_cache_memory_bytes": 512 << 20,
+                               "heartbeat.interval_s": 1.0})
+    rows = []
+    with InProcessCluster(cfg) as cluster, RouterClient(cluster.address) as client:
+        client.generate(make_request(random_prompt(64, seed=1), max_tokens=2))  # warm-up
+        for n in (128, 2048):
+            samples = []
+            for r in range(2 if quick else 4):
+                out = client.generate(make_request(random_prompt(n, seed=1000 * n + r), max_tokens=4), timeout=300)
+                t = out.timings
+                samples.append({"queue": t["queue"], "prefill": t["prefill"],
+                                "first_token": max(t["ttft"] - t["queue"] - t["prefill"], 0.0), "ttft": t["ttft"],
+                                "kv_transfer": t["kv_transfer"], "kv_bytes": out.usage["kv_transfer_bytes"]})
+            best = min(samples, key=lambda s: s["ttft"])
+            rows.append({"prompt_len": n, **best, "runs": samples})
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(OUT / "transfer.json"))
+    args = ap.parse_args()
+    reps = 2 if args.quick else 3
+    result: dict = {"throughput": [], "ttft": []}
+    for transport in ("raw", "zmq", "grpc"):
+        result["throughput"] += bench_transport(transport, SIZES_MIB, reps)
+    raw = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_zmq"}
+    for r in result["throughput"]:
+        r["vs_raw_zmq"] = r["gb_per_s"] / raw[r["mib"]]
+        print(f"{r['transport']:8s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
+              f"({100 * r['vs_raw_zmq']:5.1f}% of raw)"
+              + (f"  pack {r['breakdown_s']['pack_and_checksum'] * 1e3:.1f} ms, wire+ack "
+                 f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "
+                 f"{r['breakdown_s']['check_and_land'] * 1e3:.1f} ms" if "breakdown_s" in r else ""))
+    result["ttft"] = ttft_split(args.quick)
+    for r in result["ttft"]:
+        print(f"TTFT {r['prompt_len']:5d} tokens: {r['ttft'] * 1e3:7.1f} ms = queue {r['queue'] * 1e3:.1f} + prefill "
+              f"{r['prefill'] * 1e3:.1f} + first token {r['first_token'] * 1e3:.1f} ms; KV transfer "
+              f"{r['kv_transfer'] * 1e3:.1f} ms for {r['kv_bytes'] / 2**20:.1f} MiB (after the first token)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"-> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

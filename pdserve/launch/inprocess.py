@@ -1,0 +1,90 @@
+"""A whole cluster in one process: the real router and workers (gRPC servers, ZeroMQ sockets,
+engine threads) on one background event loop, each bound to its own address. For tests,
+benchmarks and single-machine use without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import decode_worker
+import prefill_worker
+from pdserve.client import RouterClient
+from pdserve.config import ClusterConfig
+from pdserve.runtime.worker_server import WorkerRuntime
+from router import RouterServer
+
+
+class InProcessCluster:
+    def __init__(self, cfg: ClusterConfig, n_prefill: int = 1, n_decode: int = 1) -> None:
+        self.cfg = cfg
+        self.n_prefill, self.n_decode = n_prefill, n_decode
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.router: RouterServer | None = None
+        self.address = ""
+        self.stop_event: asyncio.Event | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    def _run(self, coro, timeout: float = 120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> InProcessCluster:
+        self.thread.start()
+
+        async def up() -> str:
+            self.stop_event = asyncio.Event()
+            self.router = RouterServer(self.cfg)
+            addr = await self.router.start()
+            for i in range(self.n_prefill):
+                self.tasks.append(asyncio.create_task(prefill_worker.serve(self.cfg, f"prefill-{i}", addr,
+                                                                           self.stop_event)))
+            for i in range(self.n_decode):
+                self.tasks.append(asyncio.create_task(decode_worker.serve(self.cfg, f"decode-{i}", addr,
+                                                                          self.stop_event)))
+            await self.router.wait_ready(self.n_prefill, self.n_decode, 120)
+            return addr
+
+        self.address = self._run(up())
+        return self
+
+    @property
+    def core(self):
+        return self.router.core
+
+    def runtimes(self) -> list:
+        return [rt for rt in WorkerRuntime.instances if rt.cfg is self.cfg]
+
+    def client(self) -> RouterClient:
+        return RouterClient(self.address)
+
+    def wait_idle(self, timeout: float = 15.0) -> None:
+        """Every worker's pool back to zero referenced blocks and no live sequence."""
+        end = time.monotonic() + timeout
+        while True:
+            busy = [(rt.worker_id, rt.engine.bm.num_used_blocks, len(rt.engine.seqs)) for rt in self.runtimes()
+                    if rt.engine is not None and (rt.engine.bm.num_used_blocks or rt.engine.seqs)]
+            if not busy:
+                return
+            if time.monotonic() > end:
+                raise AssertionError(f"workers still hold blocks or sequences: {busy}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        async def down() -> None:
+            self.stop_event.set()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await self.router.stop()
+
+        try:
+            self._run(down(), 60)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+    def __enter__(self) -> InProcessCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
