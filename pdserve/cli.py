@@ -52,8 +52,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         addr = cluster.start()
-        print(f"pdserve router ready at grpc://{addr}  ({cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode "
-              f"workers, {cfg.transfer.transport} transfer, {time.perf_counter() - t0:.1f}s)", flush=True)
+        pools = " + ".join(f"{cfg.pool(r).replicas} {r}" for r in cfg.roles)
+        print(f"pdserve router ready at grpc://{addr}  ({pools} workers, {cfg.mode}, {cfg.transfer.transport} "
+              f"transfer, {time.perf_counter() - t0:.1f}s)", flush=True)
+        if cluster.http_address:
+            print(f"OpenAI-compatible HTTP at {cluster.http_address}/v1  (metrics: {cluster.http_address}/metrics)",
+                  flush=True)
         print("press Ctrl-C to stop", flush=True)
         _wait_for_signal()
     finally:

@@ -57,6 +57,7 @@ class RouterSection(_Strict):
     request_timeout_s: float = Field(300.0, gt=0)
     routing: Literal["least_loaded", "prefix_aware"] = "prefix_aware"
     max_retries: int = Field(1, ge=0)
+    http_port: int | None = Field(8000, ge=0, le=65535)  # OpenAI-compatible HTTP + /metrics; None: off
 
 
 class TransferSection(_Strict):
@@ -89,6 +90,8 @@ class ClusterConfig(_Strict):
     router: RouterSection = Field(default_factory=RouterSection)
     prefill: PoolSection = Field(default_factory=PoolSection)
     decode: PoolSection = Field(default_factory=PoolSection)
+    # Colocated mode only: workers that run both phases.
+    colocated: PoolSection = Field(default_factory=lambda: PoolSection(replicas=2))
     pools: PoolsSection | None = None
     transfer: TransferSection = Field(default_factory=TransferSection)
     heartbeat: HeartbeatSection = Field(default_factory=HeartbeatSection)
@@ -105,11 +108,15 @@ class ClusterConfig(_Strict):
         return self
 
     def engine_kwargs(self, role: str) -> dict:
-        pool = self.prefill if role == "prefill" else self.decode
-        return {"model": self.model, **self.engine.model_dump(), **pool.engine}
+        return {"model": self.model, **self.engine.model_dump(), **self.pool(role).engine}
 
     def pool(self, role: str) -> PoolSection:
-        return self.prefill if role == "prefill" else self.decode
+        return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[role]
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The pools this mode runs."""
+        return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
 
 
 def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:

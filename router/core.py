@@ -77,9 +77,19 @@ class RouterCore:
         self.block_size = cfg.engine.block_size
         self.waiting = 0
         self.active: dict[str, RequestState] = {}
-        self.targets = {"prefill": cfg.prefill.replicas, "decode": cfg.decode.replicas}
+        self.targets = {role: cfg.pool(role).replicas for role in cfg.roles}
         self.finished: list[RequestState] = []  # recent, for observers (metrics, tests)
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "kv_bytes": 0, "slo_met": 0, "slo_missed": 0}
+        self.observers: list = []  # objects with on_token(st, n, now) / on_finish(st, msg) / on_fail(st, err)
+        self.http_address = ""
+
+    @property
+    def admission_role(self) -> str:
+        """The pool whose workers hold a request's KV for its whole life."""
+        return "colocated" if self.cfg.mode == "colocated" else "decode"
+
+    def ready(self) -> bool:
+        return all(self.members.active(role) for role in self.cfg.roles)
 
     # ---- input ---------------------------------------------------------------------------------
     def parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
@@ -127,12 +137,14 @@ class RouterCore:
         queued = False
         try:
             while True:
-                ranked = self.policy.rank_decode(self.members.active("decode"), st.prefix, need)
+                role = self.admission_role
+                ranked = self.policy.rank_decode(self.members.active(role), st.prefix, need)
                 # After a failed attempt, other workers first; the same one only as a last resort.
                 ranked = [w for w in ranked if w.worker_id not in exclude] + \
                          [w for w in ranked if w.worker_id in exclude]
                 for w in ranked:
-                    call = w.stub.Decode(wpb.DecodeRequest(
+                    method = w.stub.Generate if role == "colocated" else w.stub.Decode
+                    call = method(wpb.DecodeRequest(
                         request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
                         transfer_timeout_s=self.cfg.transfer.timeout_s), timeout=max(st.remaining, 0.001))
                     # Count the request against the worker now, so concurrent admissions spread out.
@@ -181,7 +193,8 @@ class RouterCore:
         try:
             for attempt in range(self.cfg.router.max_retries + 1):
                 retry = False
-                async for msg in self._attempt(st, tried):
+                attempt_fn = self._attempt_colocated if self.cfg.mode == "colocated" else self._attempt
+                async for msg in attempt_fn(st, tried):
                     if msg is None:  # the attempt failed before decode streamed anything: retry
                         retry = True
                         break
@@ -193,8 +206,10 @@ class RouterCore:
                 log.warning("retrying %s after: %s", st.request_id, st.failure and st.failure.message)
                 st.failure = None
             self.counters["finished"] += 1
-        except RequestFailed:
+        except RequestFailed as e:
             self.counters["failed"] += 1
+            for ob in self.observers:
+                ob.on_fail(st, e)
             raise
         finally:
             self.active.pop(st.request_id, None)
@@ -279,8 +294,7 @@ class RouterCore:
                                                                   "without a finish reason")
                 tok = msg.tokens
                 streamed = True
-                st.completion_tokens += len(tok.token_ids)
-                st.last_token = time.monotonic()
+                self._tokens(st, len(tok.token_ids))
                 out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
                                           logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
                 if tok.finish_reason:
@@ -295,6 +309,44 @@ class RouterCore:
             pw.inflight.pop(st.request_id, None)
             dw.served += 1
             pw.served += 1
+
+    async def _attempt_colocated(self, st: RequestState, tried: set[str]):
+        """Colocated mode: one worker computes both phases; the stream is relayed as it comes."""
+        t_adm = time.monotonic()
+        w, call, _ = await self._reserve(st, tried)
+        st.calls = [call]
+        st.prefill_worker = st.decode_worker = w.worker_id
+        self.policy.record(st.prefix, w.worker_id, w.worker_id)
+        try:
+            while True:
+                msg = await self._read(st, call, w)
+                if msg is grpc.aio.EOF:
+                    raise RequestFailed(grpc.StatusCode.INTERNAL, f"worker {w.worker_id} ended the stream early")
+                tok = msg.tokens
+                if st.first_sent is None:
+                    st.first_sent = st.last_token = time.monotonic()
+                    st.completion_tokens = len(tok.token_ids)
+                    st.cached_tokens, st.prefill_s = tok.cached_tokens, tok.prefill_s
+                    st.queue_s = max(st.first_sent - t_adm - tok.prefill_s, 0.0)
+                else:
+                    self._tokens(st, len(tok.token_ids))
+                out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
+                                          logprobs=tok.logprobs, top_logprobs=tok.top_logprobs,
+                                          prefill_worker=w.worker_id, decode_worker=w.worker_id)
+                if tok.finish_reason:
+                    yield self._finish(out, st, tok.finish_reason)
+                    return
+                yield out
+        finally:
+            w.inflight.pop(st.request_id, None)
+            w.served += 1
+
+    def _tokens(self, st: RequestState, n: int) -> None:
+        now = time.monotonic()
+        for ob in self.observers:
+            ob.on_token(st, n, now)
+        st.completion_tokens += n
+        st.last_token = now
 
     async def _read(self, st: RequestState, call, worker: WorkerRecord):
         try:
@@ -333,4 +385,6 @@ class RouterCore:
                   (not st.slo.HasField("tpot_ms") or tpot * 1e3 <= st.slo.tpot_ms)
         msg.slo_met = met
         self.counters["slo_met" if met else "slo_missed"] += 1
+        for ob in self.observers:
+            ob.on_finish(st, msg)
         return msg

@@ -66,7 +66,8 @@ class Membership:
             self._fail_inflight(old, "re-registered")
             asyncio.ensure_future(old.channel.close())
         channel = grpc.aio.insecure_channel(info.address)
-        stub = wrpc.PrefillWorkerStub(channel) if info.role == "prefill" else wrpc.DecodeWorkerStub(channel)
+        stub = {"prefill": wrpc.PrefillWorkerStub, "decode": wrpc.DecodeWorkerStub,
+                "colocated": wrpc.ColocatedWorkerStub}[info.role](channel)
         rec = WorkerRecord(info.worker_id, info.role, info.address, info.transfer_address, info.num_blocks,
                            info.block_size, channel, stub)
         self.workers[info.worker_id] = rec

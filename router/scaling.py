@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 class Scaler:
     def __init__(self, core: RouterCore) -> None:
         self.core = core
-        self.adding: dict[str, int] = {"prefill": 0, "decode": 0}
+        self.adding: dict[str, int] = {role: 0 for role in core.cfg.roles}
         self._tasks: set[asyncio.Task] = set()
 
     def current(self, pool: str) -> int:
@@ -24,8 +24,9 @@ class Scaler:
 
     async def scale(self, pool: str, replicas: int) -> tuple[int, list[str], list[str]]:
         core = self.core
-        if pool not in ("prefill", "decode"):
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"pool must be 'prefill' or 'decode', got {pool!r}")
+        if pool not in core.cfg.roles:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"pool must be one of {list(core.cfg.roles)} in {core.cfg.mode} mode, got {pool!r}")
         if core.launcher is None:
             raise RequestFailed(grpc.StatusCode.FAILED_PRECONDITION,
                                 "this router has no launcher to start or stop workers; start or stop worker processes "

@@ -12,6 +12,7 @@ from pdserve.v1 import router_pb2_grpc as rrpc
 from pdserve.v1 import worker_pb2_grpc as wrpc
 from router.core import RouterCore
 from router.launcher import Launcher
+from router.metrics import RouterMetrics
 from router.scaling import Scaler
 from router.service import ControlService, RouterService
 
@@ -23,6 +24,8 @@ class RouterServer:
         self.cfg = cfg
         self.core = RouterCore(cfg, launcher)
         self.scaler = Scaler(self.core)
+        self.metrics = RouterMetrics(self.core)
+        self._http = None
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self._reaper: asyncio.Task | None = None
@@ -38,18 +41,33 @@ class RouterServer:
         await self.server.start()
         self.address = f"{r.advertise_host or r.host}:{port}"
         self._reaper = asyncio.create_task(self.core.members.reap_forever(self.cfg.heartbeat.interval_s / 4))
-        log.info("router serving on %s", self.address)
+        if r.http_port is not None:
+            await self._start_http(r.host, r.http_port, r.advertise_host)
+        log.info("router serving on %s (HTTP %s)", self.address, self.core.http_address or "off")
         return self.address
 
-    async def wait_ready(self, prefill: int, decode: int, timeout_s: float) -> None:
+    async def _start_http(self, host: str, port: int, advertise: str | None) -> None:
+        from aiohttp import web
+
+        from router.http_api import OpenAIApi
+
+        api = OpenAIApi(self.core, self.metrics)
+        self._http = web.AppRunner(api.app, access_log=None)
+        await self._http.setup()
+        site = web.TCPSite(self._http, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]
+        self.core.http_address = f"http://{advertise or host}:{bound}"
+
+    async def wait_ready(self, counts: dict[str, int], timeout_s: float) -> None:
+        """Until each pool has the given number of active workers."""
         members = self.core.members
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
-        while len(members.active("prefill")) < prefill or len(members.active("decode")) < decode:
+        while any(len(members.active(role)) < n for role, n in counts.items()):
             if loop.time() > end:
-                raise TimeoutError(f"workers did not register within {timeout_s:.0f}s "
-                                   f"({len(members.active('prefill'))}/{prefill} prefill, "
-                                   f"{len(members.active('decode'))}/{decode} decode)")
+                have = {role: len(members.active(role)) for role in counts}
+                raise TimeoutError(f"workers did not register within {timeout_s:.0f}s: have {have}, want {counts}")
             members.changed.clear()
             try:
                 await asyncio.wait_for(members.changed.wait(), 0.5)
@@ -59,6 +77,8 @@ class RouterServer:
     async def stop(self) -> None:
         if self._reaper:
             self._reaper.cancel()
+        if self._http is not None:
+            await self._http.cleanup()
         if self.server:
             await self.server.stop(grace=1.0)
 

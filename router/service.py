@@ -29,15 +29,16 @@ class RouterService(rrpc.RouterServicer):
 
     async def Health(self, request, context) -> pb.HealthResponse:
         m = self.core.members
-        p, d = len(m.active("prefill")), len(m.active("decode"))
-        return pb.HealthResponse(ready=p > 0 and d > 0, prefill_workers=p, decode_workers=d)
+        p, d = len(m.active("prefill")), len(m.active("decode")) + len(m.active("colocated"))
+        return pb.HealthResponse(ready=self.core.ready(), prefill_workers=p, decode_workers=d)
 
     async def ClusterStatus(self, request, context) -> pb.ClusterStatusResponse:
         core = self.core
         now = time.monotonic()
         resp = pb.ClusterStatusResponse(queued_requests=core.waiting, model=core.model.name,
-                                        transport=core.cfg.transfer.transport)
-        for role in ("prefill", "decode"):
+                                        transport=core.cfg.transfer.transport, mode=core.cfg.mode,
+                                        http_address=core.http_address)
+        for role in core.cfg.roles:
             resp.pools.append(pb.PoolStatus(role=role, replicas=len(core.members.active(role)),
                                             target_replicas=core.targets[role]))
         for w in sorted(core.members.workers.values(), key=lambda w: (w.role, w.worker_id)):
@@ -63,8 +64,9 @@ class ControlService(wrpc.ControlServicer):
         self.core = core
 
     async def Register(self, request: wpb.WorkerInfo, context) -> wpb.RegisterReply:
-        if request.role not in ("prefill", "decode"):
-            return wpb.RegisterReply(accepted=False, message=f"unknown role {request.role!r}")
+        if request.role not in self.core.cfg.roles:
+            return wpb.RegisterReply(accepted=False, message=f"role {request.role!r} does not serve this "
+                                                             f"{self.core.cfg.mode} cluster")
         if request.block_size != self.core.block_size:
             return wpb.RegisterReply(accepted=False, message=f"block_size {request.block_size} differs from the "
                                                              f"router's {self.core.block_size}")

@@ -78,8 +78,10 @@ class WorkerActor:
             torch.set_num_threads(config.engine.num_threads)
         if role == "prefill":
             from prefill_worker import serve
-        else:
+        elif role == "decode":
             from decode_worker import serve
+        else:
+            from decode_worker.colocated import serve
         self.worker_id = worker_id
         self.host = _LoopHost(lambda stop, started: serve(config, worker_id, router_address, stop, started))
 
@@ -120,19 +122,22 @@ class RouterActor:
     def address(self, timeout_s: float = 120.0) -> str:
         return self.host.wait(timeout_s)
 
+    def http_address(self) -> str:
+        return self.server.core.http_address if self.server else ""
+
     def _run(self, coro, timeout_s: float):
         assert self.host.loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self.host.loop).result(timeout_s)
 
-    def start_pools(self, prefill: int, decode: int, timeout_s: float = 300.0) -> dict[str, list[str]]:
+    def start_pools(self, counts: dict[str, int], timeout_s: float = 300.0) -> dict[str, list[str]]:
         """Launch the initial workers through the router's own launcher, wait until registered."""
 
         async def go() -> dict[str, list[str]]:
-            ids = {"prefill": [], "decode": []}
-            for role, n in (("prefill", prefill), ("decode", decode)):
+            ids: dict[str, list[str]] = {role: [] for role in counts}
+            for role, n in counts.items():
                 for _ in range(n):
                     ids[role].append(await self.launcher.add_worker(role))
-            await self.server.wait_ready(prefill, decode, timeout_s)
+            await self.server.wait_ready(counts, timeout_s)
             return ids
 
         return self._run(go(), timeout_s + 10)

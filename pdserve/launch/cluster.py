@@ -16,6 +16,7 @@ class RayCluster:
         self.cfg = cfg
         self.router = None
         self.address = ""
+        self.http_address = ""
         self._own_ray = False
 
     def start(self, timeout_s: float = 300.0) -> str:
@@ -34,8 +35,9 @@ class RayCluster:
         cfg = self.cfg.model_dump()
         self.router = RouterActor.options(name=f"pdserve-router-{uuid.uuid4().hex[:8]}").remote(cfg)
         self.address = ray.get(self.router.address.remote(120.0), timeout=180)
-        ray.get(self.router.start_pools.remote(self.cfg.prefill.replicas, self.cfg.decode.replicas, timeout_s),
-                timeout=timeout_s + 30)
+        self.http_address = ray.get(self.router.http_address.remote(), timeout=60)
+        counts = {role: self.cfg.pool(role).replicas for role in self.cfg.roles}
+        ray.get(self.router.start_pools.remote(counts, timeout_s), timeout=timeout_s + 30)
         return self.address
 
     def worker_pids(self) -> dict[str, int]:

@@ -10,16 +10,19 @@ import time
 
 import decode_worker
 import prefill_worker
+from decode_worker.colocated import serve as serve_colocated
 from pdserve.client import RouterClient
 from pdserve.config import ClusterConfig
 from pdserve.runtime.worker_server import WorkerRuntime
 from router import RouterServer
 
+SERVE = {"prefill": prefill_worker.serve, "decode": decode_worker.serve, "colocated": serve_colocated}
+
 
 class InProcessCluster:
-    def __init__(self, cfg: ClusterConfig, n_prefill: int = 1, n_decode: int = 1) -> None:
+    def __init__(self, cfg: ClusterConfig, counts: dict[str, int] | None = None) -> None:
         self.cfg = cfg
-        self.n_prefill, self.n_decode = n_prefill, n_decode
+        self.counts = counts or {role: cfg.pool(role).replicas for role in cfg.roles}
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.router: RouterServer | None = None
@@ -37,13 +40,11 @@ class InProcessCluster:
             self.stop_event = asyncio.Event()
             self.router = RouterServer(self.cfg)
             addr = await self.router.start()
-            for i in range(self.n_prefill):
-                self.tasks.append(asyncio.create_task(prefill_worker.serve(self.cfg, f"prefill-{i}", addr,
-                                                                           self.stop_event)))
-            for i in range(self.n_decode):
-                self.tasks.append(asyncio.create_task(decode_worker.serve(self.cfg, f"decode-{i}", addr,
-                                                                          self.stop_event)))
-            await self.router.wait_ready(self.n_prefill, self.n_decode, 120)
+            for role, n in self.counts.items():
+                for i in range(n):
+                    serve = SERVE[role]
+                    self.tasks.append(asyncio.create_task(serve(self.cfg, f"{role}-{i}", addr, self.stop_event)))
+            await self.router.wait_ready(self.counts, 120)
             return addr
 
         self.address = self._run(up())

@@ -16,7 +16,7 @@ class RayLauncher:
         self.cfg = cfg
         self.router_address = ""
         self.actors: dict[str, ray.actor.ActorHandle] = {}
-        self._ids = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._ids = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
 
     async def add_worker(self, role: str) -> str:
         from pdserve.launch.actors import WorkerActor

@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -28,7 +26,7 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, max_tokens: int | None = ..., temperature: float | None = ..., top_p: float | None = ..., top_k: int | None = ..., seed: int | None = ..., stop: _Iterable[str] | None = ..., stop_token_ids: _Iterable[int] | None = ..., ignore_eos: bool | None = ..., logprobs: int | None = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class SloTargets(_message.Message):
     __slots__ = ("ttft_ms", "tpot_ms")
@@ -36,7 +34,7 @@ class SloTargets(_message.Message):
     TPOT_MS_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     tpot_ms: float
-    def __init__(self, ttft_ms: float | None = ..., tpot_ms: float | None = ...) -> None: ...
+    def __init__(self, ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "sampling", "request_id", "slo")
@@ -50,13 +48,13 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     request_id: str
     slo: SloTargets
-    def __init__(self, text: str | None = ..., token_ids: TokenIds | _Mapping | None = ..., sampling: SamplingParams | _Mapping | None = ..., request_id: str | None = ..., slo: SloTargets | _Mapping | None = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., slo: _Optional[_Union[SloTargets, _Mapping]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("logprobs",)
@@ -66,10 +64,10 @@ class TopLogprobs(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: int
         value: float
-        def __init__(self, key: int | None = ..., value: float | None = ...) -> None: ...
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.ScalarMap[int, float]
-    def __init__(self, logprobs: _Mapping[int, float] | None = ...) -> None: ...
+    def __init__(self, logprobs: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "kv_transfer_bytes")
@@ -81,7 +79,7 @@ class Usage(_message.Message):
     cached_tokens: int
     completion_tokens: int
     kv_transfer_bytes: int
-    def __init__(self, prompt_tokens: int | None = ..., cached_tokens: int | None = ..., completion_tokens: int | None = ..., kv_transfer_bytes: int | None = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue", "prefill", "kv_transfer", "ttft", "tpot", "e2e")
@@ -97,7 +95,7 @@ class Timings(_message.Message):
     ttft: float
     tpot: float
     e2e: float
-    def __init__(self, queue: float | None = ..., prefill: float | None = ..., kv_transfer: float | None = ..., ttft: float | None = ..., tpot: float | None = ..., e2e: float | None = ...) -> None: ...
+    def __init__(self, queue: _Optional[float] = ..., prefill: _Optional[float] = ..., kv_transfer: _Optional[float] = ..., ttft: _Optional[float] = ..., tpot: _Optional[float] = ..., e2e: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "usage", "timings", "prefill_worker", "decode_worker", "slo_met")
@@ -123,7 +121,7 @@ class GenerateResponse(_message.Message):
     prefill_worker: str
     decode_worker: str
     slo_met: bool
-    def __init__(self, request_id: str | None = ..., token_ids: _Iterable[int] | None = ..., text: str | None = ..., logprobs: _Iterable[float] | None = ..., top_logprobs: _Iterable[TopLogprobs | _Mapping] | None = ..., finish_reason: str | None = ..., usage: Usage | _Mapping | None = ..., timings: Timings | _Mapping | None = ..., prefill_worker: str | None = ..., decode_worker: str | None = ..., slo_met: bool | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., slo_met: _Optional[bool] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -137,7 +135,7 @@ class HealthResponse(_message.Message):
     ready: bool
     prefill_workers: int
     decode_workers: int
-    def __init__(self, ready: bool | None = ..., prefill_workers: int | None = ..., decode_workers: int | None = ...) -> None: ...
+    def __init__(self, ready: _Optional[bool] = ..., prefill_workers: _Optional[int] = ..., decode_workers: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusRequest(_message.Message):
     __slots__ = ()
@@ -179,7 +177,7 @@ class WorkerStatus(_message.Message):
     prefix_queries: int
     prefix_hits: int
     reserved_blocks: int
-    def __init__(self, worker_id: str | None = ..., role: str | None = ..., address: str | None = ..., state: str | None = ..., num_running: int | None = ..., num_waiting: int | None = ..., num_blocks: int | None = ..., used_blocks: int | None = ..., free_blocks: int | None = ..., cached_blocks: int | None = ..., kv_usage: float | None = ..., requests_served: int | None = ..., inflight: int | None = ..., last_heartbeat_age_s: float | None = ..., prefix_queries: int | None = ..., prefix_hits: int | None = ..., reserved_blocks: int | None = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., requests_served: _Optional[int] = ..., inflight: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("role", "replicas", "target_replicas")
@@ -189,21 +187,25 @@ class PoolStatus(_message.Message):
     role: str
     replicas: int
     target_replicas: int
-    def __init__(self, role: str | None = ..., replicas: int | None = ..., target_replicas: int | None = ...) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., target_replicas: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("pools", "workers", "queued_requests", "model", "transport")
+    __slots__ = ("pools", "workers", "queued_requests", "model", "transport", "mode", "http_address")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
     model: str
     transport: str
-    def __init__(self, pools: _Iterable[PoolStatus | _Mapping] | None = ..., workers: _Iterable[WorkerStatus | _Mapping] | None = ..., queued_requests: int | None = ..., model: str | None = ..., transport: str | None = ...) -> None: ...
+    mode: str
+    http_address: str
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., mode: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("pool", "replicas")
@@ -211,7 +213,7 @@ class ScaleRequest(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     replicas: int
-    def __init__(self, pool: str | None = ..., replicas: int | None = ...) -> None: ...
+    def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class ScaleResponse(_message.Message):
     __slots__ = ("previous", "target", "adding", "draining")
@@ -223,4 +225,4 @@ class ScaleResponse(_message.Message):
     target: int
     adding: _containers.RepeatedScalarFieldContainer[str]
     draining: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, previous: int | None = ..., target: int | None = ..., adding: _Iterable[str] | None = ..., draining: _Iterable[str] | None = ...) -> None: ...
+    def __init__(self, previous: _Optional[int] = ..., target: _Optional[int] = ..., adding: _Optional[_Iterable[str]] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...

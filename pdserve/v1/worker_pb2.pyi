@@ -1,12 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from pdserve.v1 import router_pb2 as _router_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
-
-from pdserve.v1 import router_pb2 as _router_pb2
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -26,7 +23,7 @@ class WorkerInfo(_message.Message):
     num_blocks: int
     block_size: int
     model: str
-    def __init__(self, worker_id: str | None = ..., role: str | None = ..., address: str | None = ..., transfer_address: str | None = ..., num_blocks: int | None = ..., block_size: int | None = ..., model: str | None = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("accepted", "message")
@@ -34,7 +31,7 @@ class RegisterReply(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     message: str
-    def __init__(self, accepted: bool | None = ..., message: str | None = ...) -> None: ...
+    def __init__(self, accepted: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "status")
@@ -42,7 +39,7 @@ class HeartbeatRequest(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     status: _router_pb2.WorkerStatus
-    def __init__(self, worker_id: str | None = ..., status: _router_pb2.WorkerStatus | _Mapping | None = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., status: _Optional[_Union[_router_pb2.WorkerStatus, _Mapping]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "drain")
@@ -50,7 +47,7 @@ class HeartbeatReply(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     known: bool
     drain: bool
-    def __init__(self, known: bool | None = ..., drain: bool | None = ...) -> None: ...
+    def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_transfer_address", "skip_blocks", "transfer_timeout_s")
@@ -66,7 +63,7 @@ class PrefillRequest(_message.Message):
     decode_transfer_address: str
     skip_blocks: int
     transfer_timeout_s: float
-    def __init__(self, request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., sampling: _router_pb2.SamplingParams | _Mapping | None = ..., decode_transfer_address: str | None = ..., skip_blocks: int | None = ..., transfer_timeout_s: float | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs", "text", "finish_reason", "cached_tokens", "queue_s", "prefill_s")
@@ -86,7 +83,7 @@ class FirstToken(_message.Message):
     cached_tokens: int
     queue_s: float
     prefill_s: float
-    def __init__(self, token_id: int | None = ..., logprob: float | None = ..., top_logprobs: _router_pb2.TopLogprobs | _Mapping | None = ..., text: str | None = ..., finish_reason: str | None = ..., cached_tokens: int | None = ..., queue_s: float | None = ..., prefill_s: float | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[_router_pb2.TopLogprobs, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("ok", "error", "bytes", "blocks", "seconds")
@@ -100,7 +97,7 @@ class TransferResult(_message.Message):
     bytes: int
     blocks: int
     seconds: float
-    def __init__(self, ok: bool | None = ..., error: str | None = ..., bytes: int | None = ..., blocks: int | None = ..., seconds: float | None = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first", "transfer")
@@ -108,7 +105,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     first: FirstToken
     transfer: TransferResult
-    def __init__(self, first: FirstToken | _Mapping | None = ..., transfer: TransferResult | _Mapping | None = ...) -> None: ...
+    def __init__(self, first: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s")
@@ -120,7 +117,7 @@ class DecodeRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
     transfer_timeout_s: float
-    def __init__(self, request_id: str | None = ..., prompt_token_ids: _Iterable[int] | None = ..., sampling: _router_pb2.SamplingParams | _Mapping | None = ..., transfer_timeout_s: float | None = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("ok", "num_held_blocks", "num_blocks", "free_blocks")
@@ -132,23 +129,29 @@ class Reservation(_message.Message):
     num_held_blocks: int
     num_blocks: int
     free_blocks: int
-    def __init__(self, ok: bool | None = ..., num_held_blocks: int | None = ..., num_blocks: int | None = ..., free_blocks: int | None = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., num_held_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s")
+    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s", "queue_s", "prefill_s", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_router_pb2.TopLogprobs]
     finish_reason: str
     kv_transfer_s: float
-    def __init__(self, token_ids: _Iterable[int] | None = ..., text: str | None = ..., logprobs: _Iterable[float] | None = ..., top_logprobs: _Iterable[_router_pb2.TopLogprobs | _Mapping] | None = ..., finish_reason: str | None = ..., kv_transfer_s: float | None = ...) -> None: ...
+    queue_s: float
+    prefill_s: float
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_router_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("reservation", "tokens")
@@ -156,4 +159,4 @@ class DecodeResponse(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     reservation: Reservation
     tokens: DecodeTokens
-    def __init__(self, reservation: Reservation | _Mapping | None = ..., tokens: DecodeTokens | _Mapping | None = ...) -> None: ...
+    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., tokens: _Optional[_Union[DecodeTokens, _Mapping]] = ...) -> None: ...

@@ -216,6 +216,84 @@ class PrefillWorker:
             _registered_method=True)
 
 
+class ColocatedWorkerStub:
+    """Colocated mode: one worker runs both phases; no KV moves. Same messages as Decode, and the
+    first token message carries the prefill timings.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/pdserve.v1.ColocatedWorker/Generate',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                _registered_method=True)
+
+
+class ColocatedWorkerServicer:
+    """Colocated mode: one worker runs both phases; no KV moves. Same messages as Decode, and the
+    first token message carries the prefill timings.
+    """
+
+    def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ColocatedWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.ColocatedWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.ColocatedWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ColocatedWorker:
+    """Colocated mode: one worker runs both phases; no KV moves. Same messages as Decode, and the
+    first token message carries the prefill timings.
+    """
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.ColocatedWorker/Generate',
+            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -1,0 +1,107 @@
+"""Prometheus metrics in vLLM's style under the `pdserve:` prefix, served by the router.
+
+Latency histograms are observed as requests stream through the router; pool, worker and
+prefix-cache figures come from the workers' heartbeats, so nobody has to scrape each worker."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from router.core import RequestFailed, RequestState, RouterCore
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0)
+_ITL = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+        0.75, 1.0, 2.5)
+
+
+class _ClusterCollector:
+    """Gauges and counters read from router state at scrape time."""
+
+    def __init__(self, core: RouterCore) -> None:
+        self.core = core
+        self.retired = {"queries": 0, "hits": 0}  # prefix counters of workers that left
+        core.members.on_leave.append(self._retire)
+
+    def _retire(self, rec, why: str) -> None:
+        if rec.status is not None:
+            self.retired["queries"] += rec.status.prefix_queries
+            self.retired["hits"] += rec.status.prefix_hits
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        core = self.core
+        running = GaugeMetricFamily("pdserve:num_requests_running", "Requests in model execution, per pool",
+                                    labels=["pool"])
+        waiting = GaugeMetricFamily("pdserve:num_requests_waiting", "Requests waiting, per pool (router: admission "
+                                    "queue)", labels=["pool"])
+        usage = GaugeMetricFamily("pdserve:kv_cache_usage_perc", "KV-cache usage per worker (1 = full)",
+                                  labels=["pool", "worker"])
+        replicas = GaugeMetricFamily("pdserve:num_replicas", "Active workers per pool", labels=["pool"])
+        target = GaugeMetricFamily("pdserve:target_replicas", "Desired workers per pool", labels=["pool"])
+        queries = CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in prefix caches")
+        hits = CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in prefix caches")
+        q_total, h_total = self.retired["queries"], self.retired["hits"]
+        for role in core.cfg.roles:
+            workers = core.members.members(role)
+            running.add_metric([role], sum(w.status.num_running for w in workers if w.status))
+            waiting.add_metric([role], sum(w.status.num_waiting for w in workers if w.status))
+            replicas.add_metric([role], len(core.members.active(role)))
+            target.add_metric([role], core.targets.get(role, 0))
+            for w in workers:
+                if w.status is not None:
+                    usage.add_metric([role, w.worker_id], w.status.kv_usage)
+                    q_total += w.status.prefix_queries
+                    h_total += w.status.prefix_hits
+        waiting.add_metric(["router"], core.waiting)
+        queries.add_metric([], q_total)
+        hits.add_metric([], h_total)
+        yield from (running, waiting, usage, replicas, target, queries, hits)
+
+
+class RouterMetrics:
+    def __init__(self, core: RouterCore) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY,
+                              registry=r)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output tokens", buckets=_ITL,
+                             registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY,
+                             registry=r)
+        self.kv = Histogram("pdserve:kv_transfer_seconds", "KV transfer prefill -> decode (export, wire, checks, "
+                            "import)", buckets=_LATENCY, registry=r)
+        self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes shipped prefill -> decode", registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
+        self.success = Counter("pdserve:request_success", "Finished requests", ["finished_reason"], registry=r)
+        self.failure = Counter("pdserve:request_failure", "Failed requests", ["code"], registry=r)
+        self.slo = Counter("pdserve:request_slo", "Finished requests that met or missed their TTFT/TPOT SLO",
+                           ["outcome"], registry=r)
+        r.register(_ClusterCollector(core))
+        core.observers.append(self)
+
+    # Observer hooks called by RouterCore.
+    def on_token(self, st: RequestState, n: int, now: float) -> None:
+        if st.last_token is not None and n > 0:
+            gap = (now - st.last_token) / n
+            for _ in range(n):
+                self.itl.observe(gap)
+
+    def on_finish(self, st: RequestState, msg) -> None:
+        t = msg.timings
+        self.ttft.observe(t.ttft)
+        self.e2e.observe(t.e2e)
+        if st.transfer_bytes:
+            self.kv.observe(st.transfer_s)
+            self.kv_bytes.inc(st.transfer_bytes)
+        self.prompt_tokens.inc(len(st.prompt))
+        self.generation_tokens.inc(st.completion_tokens)
+        self.success.labels(msg.finish_reason).inc()
+        self.slo.labels("met" if msg.slo_met else "missed").inc()
+
+    def on_fail(self, st: RequestState, err: RequestFailed) -> None:
+        self.failure.labels(err.code.name).inc()
