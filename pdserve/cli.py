@@ -22,6 +22,8 @@ def _config(args: argparse.Namespace):
         overrides["transfer.transport"] = args.transport
     if getattr(args, "port", None) is not None:
         overrides["router.port"] = args.port
+    if getattr(args, "http_port", None) is not None:
+        overrides["router.http_port"] = args.http_port
     try:
         cfg = load_config(args.config, **overrides)
     except FileNotFoundError as e:
@@ -216,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("up", help="start router + pools as Ray actors")
     with_config(p)
-    p.add_argument("--port", type=int, default=None, help="router port (overrides the YAML)")
+    p.add_argument("--port", type=int, default=None, help="router gRPC port (overrides the YAML)")
+    p.add_argument("--http-port", type=int, default=None, help="router HTTP port (overrides the YAML)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("generate", help="stream a completion from a running router")
@@ -245,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("router", help="run the router alone (Kubernetes)")
     with_config(p)
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--http-port", type=int, default=None)
     p.set_defaults(func=cmd_router)
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} worker alone (Kubernetes)")
@@ -257,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--max-tokens", type=int, default=60)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--http-port", type=int, default=0)
     p.set_defaults(func=cmd_demo)
 
     return ap

@@ -56,7 +56,8 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 90) 
 
 
 def test_up_generate_status_scale_and_clean_stop(stories_path):
-    up = subprocess.Popen([*PDSERVE, "up", "--config", "configs/local.yaml", "--port", "0"], cwd=ROOT,
+    up = subprocess.Popen([*PDSERVE, "up", "--config", "configs/local.yaml", "--port", "0", "--http-port", "0"],
+                          cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = wait_line(up, "router ready at grpc://")
@@ -96,7 +97,7 @@ def test_standalone_components_across_addresses(stories_path, tmp_path):
     rport = free_port("127.0.0.2")
     cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     cfg.update(model=stories_path, heartbeat={"interval_s": 0.5})
-    cfg["router"].update(host="127.0.0.2", port=rport)
+    cfg["router"].update(host="127.0.0.2", port=rport, http_port=0)
     cfg["prefill"].update(host="127.0.0.3")
     cfg["decode"].update(host="127.0.0.4")
     path = tmp_path / "cluster.yaml"

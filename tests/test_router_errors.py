@@ -127,9 +127,10 @@ def test_full_decode_pool_queues_then_resource_exhausted(stories_path):
         waited = time.monotonic() - t0
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "no decode worker had room" in err.details()
         assert waited >= 1.0  # it queued until its deadline rather than failing at once
-        # A request that queues while the long one finishes is admitted.
+        # Once the long one is gone, the same request is admitted (short: decode is slowed down).
         long.cancel()
-        out = c.generate(make_request("Once upon a time", max_tokens=40))
+        cl.wait_idle()
+        out = c.generate(make_request("Once upon a time", max_tokens=8))
         assert out.finish_reason == "length"
         cl.wait_idle()
     cfg = make_config(stories_path, **{"router.queue_size": 0, "decode.engine": {"num_kv_blocks": 8}})
