@@ -53,12 +53,16 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         timeout = request.transfer_timeout_s or self.rt.cfg.transfer.timeout_s
         handle = self.sender.send(request.decode_transfer_address, header, frames, timeout)
         delay = 0.0002
-        while not handle.done:
-            self.sender.poll()
-            if handle.done:
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.005)
+        try:
+            while not handle.done:
+                self.sender.poll()
+                if handle.done:
+                    break
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.005)
+        finally:
+            if not handle.done:  # cancelled while waiting: stop tracking it
+                self.sender.abandon(handle)
         ok = handle.state is TransferState.DONE
         if ok:
             self.bytes_sent += header.total_bytes

@@ -267,11 +267,16 @@ class RouterCore:
                 if transfer is not None:
                     done, _ = await asyncio.wait({transfer, pending_read}, return_when=asyncio.FIRST_COMPLETED)
                     if transfer in done:
-                        result = transfer.result()
+                        try:
+                            result = transfer.result()
+                        except RequestFailed:  # the decode side failed first and cancelled the prefill call
+                            result = None
                         transfer = None
-                        if result is grpc.aio.EOF or not result.transfer.ok:
-                            err = "prefill stream ended" if result is grpc.aio.EOF else result.transfer.error
-                            pending_read.cancel()
+                        if result is None or result is grpc.aio.EOF or not result.transfer.ok:
+                            if result is None:
+                                err = st.failure.message if st.failure else "prefill call failed"
+                            else:
+                                err = "prefill stream ended" if result is grpc.aio.EOF else result.transfer.error
                             st.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {dw.worker_id} failed: {err}")
                             tried.add(dw.worker_id)
                             yield None
@@ -303,8 +308,8 @@ class RouterCore:
                 yield out
         finally:
             for fut in (transfer, pending_read):
-                if fut is not None and not fut.done():
-                    fut.cancel()
+                if fut is not None:
+                    _discard(fut)
             dw.inflight.pop(st.request_id, None)
             pw.inflight.pop(st.request_id, None)
             dw.served += 1
@@ -388,3 +393,11 @@ class RouterCore:
         for ob in self.observers:
             ob.on_finish(st, msg)
         return msg
+
+
+def _discard(fut: asyncio.Future) -> None:
+    """Drop a helper future: cancel it if pending and consume its outcome, so a failure that
+    nobody awaits is not reported as an unretrieved task exception."""
+    if not fut.done():
+        fut.cancel()
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())

@@ -32,6 +32,7 @@ class TransferHandle:
     error: str = ""
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
+    transfer_id: str = ""
 
     def advance(self, state: TransferState, error: str = "") -> None:
         """Move forward only; DONE and FAILED are sticky."""
@@ -76,6 +77,10 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def poll(self) -> None:
         """Advance every open handle without blocking (acks, errors, timeouts)."""
+
+    def abandon(self, handle: TransferHandle) -> None:
+        """The caller no longer waits for this transfer (its request was cancelled)."""
+        handle.advance(TransferState.FAILED, "abandoned by the sender")
 
     @abc.abstractmethod
     def close(self) -> None: ...

@@ -65,6 +65,13 @@ class GrpcSender(KVSender):
                 handle.advance(TransferState.FAILED, f"bad acknowledgement from {handle.dest}: {e}")
         self.open = still
 
+    def abandon(self, handle: TransferHandle) -> None:
+        super().abandon(handle)
+        for h, fut in self.open:
+            if h is handle:
+                fut.cancel()
+        self.open = [(h, f) for h, f in self.open if h is not handle]
+
     def close(self) -> None:
         for ch in self.channels.values():
             ch.close()

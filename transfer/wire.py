@@ -37,6 +37,8 @@ class KVHeader:
     first_block: int = 0  # index in the sequence's block table of the first shipped block
     frames: list[FrameInfo] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # small per-request values (first token...)
+    # Unique per attempt: a late acknowledgement of an earlier attempt never settles a retry.
+    transfer_id: str = ""
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -57,6 +59,7 @@ class KVHeader:
             "v": WIRE_VERSION, "rid": self.request_id, "dtype": self.dtype, "shape": self.block_shape,
             "bnb": self.block_nbytes, "hashes": self.block_hashes, "first": self.first_block,
             "frames": [[f.num_blocks, f.nbytes, f.checksum] for f in self.frames], "meta": self.meta,
+            "tid": self.transfer_id,
         })
 
     @classmethod
@@ -66,7 +69,7 @@ class KVHeader:
             if d.get("v") != WIRE_VERSION:
                 raise TransferError(f"wire version {d.get('v')!r}, expected {WIRE_VERSION}")
             return cls(d["rid"], d["dtype"], list(d["shape"]), int(d["bnb"]), list(d["hashes"]), int(d["first"]),
-                       [FrameInfo(*f) for f in d["frames"]], dict(d.get("meta") or {}))
+                       [FrameInfo(*f) for f in d["frames"]], dict(d.get("meta") or {}), str(d.get("tid", "")))
         except TransferError:
             raise
         except Exception as e:  # malformed msgpack or missing keys

@@ -4,6 +4,7 @@ acknowledgement back on the same socket pair."""
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -27,7 +28,8 @@ class ZmqSender(KVSender):
         self._own_ctx = context is None
         self.hwm = hwm
         self.sockets: dict[str, zmq.Socket] = {}
-        self.open: dict[tuple[str, str], TransferHandle] = {}
+        self.open: dict[str, TransferHandle] = {}  # transfer id -> handle
+        self._ids = itertools.count()
 
     def _socket(self, dest: str) -> zmq.Socket:
         sock = self.sockets.get(dest)
@@ -42,10 +44,8 @@ class ZmqSender(KVSender):
 
     def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
         handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
-        key = (dest, header.request_id)
-        if key in self.open and not self.open[key].done:
-            handle.advance(TransferState.FAILED, f"a transfer of {header.request_id} to {dest} is already open")
-            return handle
+        header.transfer_id = f"{header.request_id}#{next(self._ids)}"
+        handle.transfer_id = header.transfer_id
         sock = self._socket(dest)
         sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
         try:
@@ -57,7 +57,7 @@ class ZmqSender(KVSender):
             handle.advance(TransferState.FAILED, f"send to {dest} failed: {e}")
             return handle
         handle.advance(TransferState.SENT)
-        self.open[key] = handle
+        self.open[header.transfer_id] = handle
         return handle
 
     def poll(self) -> None:
@@ -69,7 +69,7 @@ class ZmqSender(KVSender):
                     break
                 try:
                     ack = msgpack.unpackb(raw)
-                    handle = self.open.pop((dest, ack["rid"]), None)
+                    handle = self.open.pop(ack["tid"], None)
                 except Exception:
                     continue  # a garbled ack cannot be matched; the timeout will fail the transfer
                 if handle is not None:
@@ -82,6 +82,10 @@ class ZmqSender(KVSender):
             elif now > handle.deadline:
                 handle.advance(TransferState.FAILED, f"no acknowledgement from {handle.dest} before the timeout")
                 self.open.pop(key)
+
+    def abandon(self, handle: TransferHandle) -> None:
+        super().abandon(handle)
+        self.open.pop(handle.transfer_id, None)
 
     def close(self) -> None:
         for sock in self.sockets.values():
@@ -110,9 +114,9 @@ class ZmqReceiver(KVReceiver):
         self._acks: collections.deque[tuple[bytes, bytes]] = collections.deque()
         self._lock = threading.Lock()
 
-    def _queue_ack(self, ident: bytes, rid: str, ok: bool, err: str) -> None:
+    def _queue_ack(self, ident: bytes, tid: str, ok: bool, err: str) -> None:
         with self._lock:
-            self._acks.append((ident, msgpack.packb({"rid": rid, "ok": ok, "err": err})))
+            self._acks.append((ident, msgpack.packb({"tid": tid, "ok": ok, "err": err})))
 
     def _flush_acks(self) -> None:
         with self._lock:
@@ -142,8 +146,8 @@ class ZmqReceiver(KVReceiver):
                 self._queue_ack(ident, "", False, str(e))
                 continue
             frames = [p.buffer for p in parts[2:]]
-            rid = header.request_id
-            out.append(ReceivedKV(header, frames, lambda ok, err, i=ident, r=rid: self._queue_ack(i, r, ok, err)))
+            tid = header.transfer_id
+            out.append(ReceivedKV(header, frames, lambda ok, err, i=ident, t=tid: self._queue_ack(i, t, ok, err)))
         self._flush_acks()
         return out
 
