@@ -13,8 +13,9 @@ __all__ = ["InProcessCluster", "cluster_config", "make_config", "wait_pools_empt
 
 
 def make_config(model: str, **overrides) -> ClusterConfig:
-    base = {"model": model, "router.port": 0, "router.http_port": 0, "router.host": "127.0.0.2", "prefill.host": "127.0.0.3",
-            "decode.host": "127.0.0.4", "heartbeat.interval_s": 0.3, "engine.num_threads": 1}
+    base = {"model": model, "router.port": 0, "router.http_port": 0, "router.host": "127.0.0.2",
+            "prefill.host": "127.0.0.3", "decode.host": "127.0.0.4", "colocated.host": "127.0.0.3",
+            "heartbeat.interval_s": 0.3, "engine.num_threads": 1}
     base.update(overrides)
     return load_config(None, **base)
 
@@ -24,7 +25,8 @@ HEARTBEAT = 0.5
 
 def cluster_config(model: str, transport: str, prefill: int, decode: int, **extra):
     return load_config(Path(__file__).resolve().parent.parent / "configs" / "local.yaml", **{
-        "model": model, "router.port": 0, "router.http_port": 0, "transfer.transport": transport, "heartbeat.interval_s": HEARTBEAT,
+        "model": model, "router.port": 0, "router.http_port": 0, "transfer.transport": transport,
+        "heartbeat.interval_s": HEARTBEAT,
         "prefill.replicas": prefill, "decode.replicas": decode, "engine.kv_cache_memory_bytes": 32 << 20, **extra})
 
 

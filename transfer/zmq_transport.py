@@ -61,7 +61,7 @@ class ZmqSender(KVSender):
         return handle
 
     def poll(self) -> None:
-        for dest, sock in self.sockets.items():
+        for sock in self.sockets.values():
             while True:
                 try:
                     raw = sock.recv(zmq.NOBLOCK)
