@@ -104,7 +104,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     with RouterClient(args.router) as client:
         st = client.status()
-    print(f"model {st.model}  transport {st.transport}  queued {st.queued_requests}")
+    print(f"model {st.model}  mode {st.mode}  transport {st.transport}  queued {st.queued_requests}  "
+          f"http {st.http_address or '-'}")
     for p in st.pools:
         print(f"pool {p.role:8s} replicas {p.replicas} (target {p.target_replicas})")
     hdr = f"{'worker':14s} {'role':8s} {'state':9s} {'address':22s} {'run':>4s} {'wait':>4s} {'infl':>4s} " \
@@ -115,6 +116,38 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"{w.inflight:4d} {w.requests_served:6d} {100 * w.kv_usage:7.1f}% {w.cached_blocks:7d} "
               f"{w.last_heartbeat_age_s:5.1f}s")
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Load a running router and report latency percentiles, throughput and goodput."""
+    import math
+    from pathlib import Path
+
+    from pdserve.loadgen import Load, Workload, format_table, plot_report, plot_sweep, run_benchmark
+
+    target = args.url if args.backend == "http" else args.router
+    if not target:
+        raise SystemExit("error: give --router HOST:PORT (grpc) or --url http://HOST:PORT (http)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.shared_prefix_len,
+                        args.seed)
+    rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
+    reports = []
+    for rate in rates:
+        load = Load(rate if rate > 0 else math.inf, args.arrival, args.max_concurrency, args.warmup)
+        print(f"rate {rate if math.isfinite(load.request_rate) else 'inf'} req/s:", file=sys.stderr)
+        report = asyncio.run(run_benchmark(target, workload, load, args.backend, args.slo_ttft_ms, args.slo_tpot_ms))
+        print(format_table(report))
+        tag = f"rate{rate:g}" if args.sweep else "bench"
+        plot_report(report, str(out / f"{tag}.png"))
+        reports.append(report)
+    result = reports[0] if not args.sweep else {"sweep": reports}
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    if args.sweep:
+        plot_sweep(reports, str(out / "goodput_vs_rate.png"))
+    print(f"-> {out / 'bench.json'}")
+    return 0 if all(r["summary"]["completed"] for r in reports) else 1
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -239,9 +272,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", default="127.0.0.1:50051")
     p.set_defaults(func=cmd_status)
 
+    p = sub.add_parser("bench", help="load a running router; report TTFT/TPOT/ITL/E2E, throughput, goodput")
+    p.add_argument("--router", default="127.0.0.1:50051", help="gRPC target")
+    p.add_argument("--url", default=None, help="HTTP target (http://HOST:PORT), with --backend http")
+    p.add_argument("--backend", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 +- r)")
+    p.add_argument("--shared-prefix-len", type=int, default=0, help="every prompt shares this many leading tokens")
+    p.add_argument("--request-rate", type=float, default=0.0, help="req/s (0: all at once)")
+    p.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--sweep", default=None, help="comma-separated request rates, e.g. 1,2,4")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench/out/serve")
+    p.set_defaults(func=cmd_bench)
+
     p = sub.add_parser("scale", help="grow or drain a pool")
     p.add_argument("--router", default="127.0.0.1:50051")
-    p.add_argument("--pool", choices=["prefill", "decode"], required=True)
+    p.add_argument("--pool", choices=["prefill", "decode", "colocated"], required=True)
     p.add_argument("--replicas", type=int, required=True)
     p.set_defaults(func=cmd_scale)
 

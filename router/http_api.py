@@ -73,7 +73,7 @@ class OpenAIApi:
         m = self.core.model
         return web.json_response({"object": "list", "data": [{
             "id": m.name, "object": "model", "created": self.created, "owned_by": "pdserve", "root": m.path,
-            "max_model_len": m.max_model_len}]})
+            "max_model_len": m.max_model_len, "vocab_size": m.vocab_size}]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

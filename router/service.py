@@ -37,7 +37,8 @@ class RouterService(rrpc.RouterServicer):
         now = time.monotonic()
         resp = pb.ClusterStatusResponse(queued_requests=core.waiting, model=core.model.name,
                                         transport=core.cfg.transfer.transport, mode=core.cfg.mode,
-                                        http_address=core.http_address)
+                                        http_address=core.http_address, vocab_size=core.model.vocab_size,
+                                        max_model_len=core.model.max_model_len)
         for role in core.cfg.roles:
             resp.pools.append(pb.PoolStatus(role=role, replicas=len(core.members.active(role)),
                                             target_replicas=core.targets[role]))

@@ -190,7 +190,7 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., target_replicas: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("pools", "workers", "queued_requests", "model", "transport", "mode", "http_address")
+    __slots__ = ("pools", "workers", "queued_requests", "model", "transport", "mode", "http_address", "vocab_size", "max_model_len")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,8 @@ class ClusterStatusResponse(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
@@ -205,7 +207,9 @@ class ClusterStatusResponse(_message.Message):
     transport: str
     mode: str
     http_address: str
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., mode: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
+    vocab_size: int
+    max_model_len: int
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., mode: _Optional[str] = ..., http_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("pool", "replicas")
