@@ -93,6 +93,16 @@ class RouterCore:
 
     # ---- input ---------------------------------------------------------------------------------
     def parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
+        """Validate and tokenize; a rejected request is counted like any other failure."""
+        try:
+            return self._parse(request, time_remaining)
+        except RequestFailed as e:
+            self.counters["failed"] += 1
+            for ob in self.observers:
+                ob.on_fail(None, e)
+            raise
+
+    def _parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
         which = request.WhichOneof("prompt")
         if which is None:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "request has no prompt: set text or token_ids")

@@ -60,7 +60,7 @@ class OpenAIApi:
         self.core = core
         self.metrics = metrics
         self.created = int(time.time())
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[_errors])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -153,10 +153,11 @@ class OpenAIApi:
                 raise ApiError(400, f"model '{model}' has no chat template; use /v1/completions with a plain prompt",
                                param="messages", code="no_chat_template")
             try:
-                ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             except Exception as e:
                 raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from e
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            # The template writes any special tokens itself.
+            ids = list(tok(text, add_special_tokens=False).input_ids)
             req = self._request(body, ids, rid)
             return await self._run(request, body, req, rid, model, chat=True)
         except ApiError as e:
@@ -243,6 +244,19 @@ class OpenAIApi:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Anything unexpected still answers in OpenAI's error shape, with the request id."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as e:
+        log.exception("HTTP handler failed")
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error").response(rid)
 
 
 def _merge(parts: list[dict], chat: bool) -> dict | None:

@@ -103,5 +103,5 @@ class RouterMetrics:
         self.success.labels(msg.finish_reason).inc()
         self.slo.labels("met" if msg.slo_met else "missed").inc()
 
-    def on_fail(self, st: RequestState, err: RequestFailed) -> None:
+    def on_fail(self, st: RequestState | None, err: RequestFailed) -> None:
         self.failure.labels(err.code.name).inc()

@@ -1,0 +1,235 @@
+"""What operators expect: OpenAI-compatible HTTP, Prometheus metrics, `pdserve bench`,
+colocated mode. Real router and workers (in-process), real HTTP and gRPC clients."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.client import make_request
+from tests.cluster_utils import InProcessCluster, make_config
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, stories_path) -> str:
+    """stories260K plus a chat template, so /v1/chat/completions has something to apply."""
+    dst = tmp_path_factory.mktemp("chat") / "stories-chat"
+    shutil.copytree(stories_path, dst)
+    cfg_path = dst / "tokenizer_config.json"
+    cfg_path.chmod(0o644)
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def cluster(stories_path):
+    with InProcessCluster(make_config(stories_path)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(cluster):
+    return openai.OpenAI(base_url=cluster.core.http_address + "/v1", api_key="unused", max_retries=0)
+
+
+def sse_events(url: str, body: dict) -> tuple[list[dict], dict]:
+    """A raw server-sent-events reader: returns the JSON events and the response headers."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    events, done = [], False
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        headers = dict(resp.headers)
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        for raw in resp:
+            line = raw.decode().rstrip("\n")
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            if line == "data: [DONE]":
+                done = True
+                break
+            events.append(json.loads(line[6:]))
+    assert done, "stream must end with data: [DONE]"
+    return events, headers
+
+
+def test_completions_equal_grpc_path(cluster, oai):
+    with cluster.client() as c:
+        grpc_out = c.generate(make_request("Once upon a time", max_tokens=25))
+    r = oai.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=25, temperature=0)
+    assert r.choices[0].text == grpc_out.text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 25 and r.usage.prompt_tokens == 5
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # Token-id prompts work too, and the streamed pieces add up to the same text.
+    stream = oai.completions.create(model="stories260K", prompt=[1, 403, 407, 261, 378], max_tokens=25,
+                                    temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == grpc_out.text
+
+
+def test_raw_sse_stream_usage_and_request_id(cluster):
+    url = cluster.core.http_address + "/v1/completions"
+    events, headers = sse_events(url, {"model": "stories260K", "prompt": "Once upon a time", "max_tokens": 12,
+                                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+    text_events = [e for e in events if e["choices"]]
+    assert len(text_events) >= 2 and text_events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(e["id"] == headers["X-Request-Id"] for e in events)
+    assert events[-1]["usage"]["completion_tokens"] == 12
+    # A client-chosen id is echoed back.
+    req = urllib.request.Request(url, data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                 headers={"Content-Type": "application/json", "X-Request-Id": "my-id-42"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.headers["X-Request-Id"] == "my-id-42" and json.load(resp)["id"] == "my-id-42"
+
+
+def test_shared_prefix_reports_cached_tokens(oai, story):
+    prompt = story[:120]
+    oai.completions.create(model="stories260K", prompt=prompt + [403], max_tokens=2)
+    r = oai.completions.create(model="stories260K", prompt=prompt + [407], max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 112
+
+
+def test_models_endpoint(oai):
+    models = oai.models.list().data
+    assert [m.id for m in models] == ["stories260K"]
+
+
+@pytest.mark.parametrize("kwargs,status,needle", [
+    ({"prompt": ""}, 400, "prompt is empty"),
+    ({"prompt": "hi", "max_tokens": 5000}, 400, "context length"),
+    ({"prompt": "hi", "temperature": -2}, 400, "temperature"),
+    ({"prompt": "hi", "n": 3}, 400, "n=1"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+])
+def test_openai_errors(oai, kwargs, status, needle):
+    kwargs = {"model": "stories260K", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as ei:
+        oai.completions.create(**kwargs)
+    assert ei.value.status_code == status and needle in ei.value.body["message"]
+    assert {"message", "type", "param", "code"} <= set(ei.value.body)
+
+
+def test_chat_without_template_is_a_clear_error(oai):
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "hi"}])
+    assert "no chat template" in ei.value.body["message"]
+
+
+def test_chat_completions_apply_the_template(chat_model):
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    with InProcessCluster(make_config(chat_model)) as cl:
+        client = openai.OpenAI(base_url=cl.core.http_address + "/v1", api_key="x", max_retries=0)
+        r = client.chat.completions.create(model="stories-chat", messages=msgs, max_tokens=15, temperature=0)
+        stream = client.chat.completions.create(model="stories-chat", messages=msgs, max_tokens=15, temperature=0,
+                                                stream=True)
+        chunks = list(stream)
+    eng = LLMEngine(EngineConfig(model=chat_model))
+    text = eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ids = list(eng.tokenizer(text, add_special_tokens=False).input_ids)
+    ref = eng.generate([ids], SamplingParams(max_tokens=15, temperature=0))[0]
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref["text"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+
+
+def metrics(cluster) -> dict[str, list]:
+    text = urllib.request.urlopen(cluster.core.http_address + "/metrics", timeout=10).read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def sample(fams: dict, family: str, suffix: str = "", **labels) -> float:
+    for s in fams[family]:
+        if s.name == family + suffix and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise KeyError((family, suffix, labels))
+
+
+def test_prometheus_metrics_agree_with_requests(stories_path):
+    with InProcessCluster(make_config(stories_path)) as cl, cl.client() as c:
+        n = 5
+        outs = [c.generate(make_request("Once upon a time", max_tokens=10)) for _ in range(n)]
+        with pytest.raises(Exception):
+            c.generate(make_request("", max_tokens=3))
+        import time
+
+        time.sleep(0.8)  # one heartbeat for worker-side figures
+        fams = metrics(cl)
+    kv_bytes = sum(o.usage["kv_transfer_bytes"] for o in outs)
+    assert sample(fams, "pdserve:time_to_first_token_seconds", "_count") == n
+    assert sample(fams, "pdserve:e2e_request_latency_seconds", "_count") == n
+    assert sample(fams, "pdserve:kv_transfer_seconds", "_count") == n
+    assert sample(fams, "pdserve:inter_token_latency_seconds", "_count") == n * 9
+    assert sample(fams, "pdserve:kv_transfer_bytes", "_total") == kv_bytes > 0
+    assert sample(fams, "pdserve:request_success", "_total", finished_reason="length") == n
+    assert sample(fams, "pdserve:request_failure", "_total", code="INVALID_ARGUMENT") == 1
+    assert sample(fams, "pdserve:request_slo", "_total", outcome="met") == n
+    assert sample(fams, "pdserve:generation_tokens", "_total") == 10 * n
+    assert sample(fams, "pdserve:num_replicas", "", pool="prefill") == 1
+    assert sample(fams, "pdserve:num_replicas", "", pool="decode") == 1
+    assert sample(fams, "pdserve:num_requests_running", "", pool="decode") == 0
+    assert sample(fams, "pdserve:num_requests_waiting", "", pool="router") == 0
+    assert sample(fams, "pdserve:kv_cache_usage_perc", "", pool="decode", worker="decode-0") == 0
+    # Every prompt was looked up once in the prefill worker's prefix cache (5 tokens each).
+    assert sample(fams, "pdserve:prefix_cache_queries", "_total") == 5 * n
+    assert sample(fams, "pdserve:prefix_cache_hits", "_total") == 0
+
+
+def test_pdserve_bench_json_is_consistent(cluster, tmp_path):
+    out = tmp_path / "bench"
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--router", cluster.address,
+                        "--num-prompts", "12", "--input-len", "24", "--output-len", "8", "--range-ratio", "0.5",
+                        "--shared-prefix-len", "16", "--request-rate", "30", "--slo-ttft-ms", "1000",
+                        "--slo-tpot-ms", "1000", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads((out / "bench.json").read_text())
+    s = report["summary"]
+    assert s["completed"] + s["failed"] == 12 == len(report["requests"]) and s["failed"] == 0
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = s[key]
+        assert 0 <= p["p50"] <= p["p90"] <= p["p99"]
+    assert s["goodput"] <= s["request_throughput"] + 1e-9
+    assert s["goodput_requests"] == 12  # generous SLO: all meet it
+    assert sum(r["output_len"] for r in report["requests"]) == round(s["output_throughput"] * s["duration_s"])
+    assert all(r["ttft"] <= r["e2e"] for r in report["requests"])
+    assert (out / "bench.png").stat().st_size > 1000
+    assert "TTFT" in r.stdout and "goodput" in r.stdout
+
+
+def test_pdserve_bench_http_sweep(cluster, tmp_path):
+    out = tmp_path / "sweep"
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--backend", "http", "--url",
+                        cluster.core.http_address, "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
+                        "--sweep", "10,40", "--slo-ttft-ms", "0.001", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    sweep = json.loads((out / "bench.json").read_text())["sweep"]
+    assert [s["config"]["load"]["request_rate"] for s in sweep] == [10, 40]
+    assert all(s["summary"]["goodput"] == 0 for s in sweep)  # an impossible TTFT SLO: nobody meets it
+    assert (out / "goodput_vs_rate.png").exists()
+
+
+def test_colocated_mode_matches_engine(stories_path, story):
+    cfg = make_config(stories_path, **{"mode": "colocated", "colocated.replicas": 2})
+    prompts = [story[: 3 + 17 * i] for i in range(6)]
+    ref = LLMEngine(EngineConfig(model=stories_path)).generate(prompts, SamplingParams(max_tokens=20, temperature=0))
+    with InProcessCluster(cfg) as cl, cl.client() as c:
+        outs = [c.generate(make_request(p, max_tokens=20)) for p in prompts]
+        st = c.status()
+        cl.wait_idle()
+    assert [o.token_ids for o in outs] == [r["token_ids"] for r in ref]
+    assert all(o.usage["kv_transfer_bytes"] == 0 and o.prefill_worker == o.decode_worker for o in outs)
+    assert st.mode == "colocated" and {w.role for w in st.workers} == {"colocated"} and len(st.workers) == 2
