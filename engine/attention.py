@@ -2,7 +2,8 @@
 
 The runner splits a step into sequences that compute several tokens (prompt chunks,
 prefix-hit tails) and sequences that compute one (decode). Multi-token sequences run one
-SDPA call each; single-token ones share one padded SDPA call.
+SDPA call each; single-token ones share padded SDPA calls, grouped by context length so a
+2048-token sequence does not make every short one in the batch read 2048 padded positions.
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Single-token sequences of similar context length, attended in one padded SDPA call."""
+
+    rows: torch.Tensor  # [B] packed rows
+    block_tables: torch.Tensor  # [B, max_blocks], padded with 0
+    context_lens: torch.Tensor  # [B]
+    max_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat slot for each new token
     prefills: list[PrefillSpan]
-    decode_rows: torch.Tensor | None  # [B] packed rows of single-token sequences
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks], padded with 0
-    decode_context_lens: torch.Tensor | None  # [B]
-    decode_max_len: int
+    decode_groups: list[DecodeGroup]
     block_size: int
     sliding_window: int | None = None
 
@@ -66,16 +74,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask = _window_mask(q_pos, torch.arange(ctx, device=q.device), meta.sliding_window)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
         out[s:s + n] = o[0].transpose(0, 1)
-    if meta.decode_rows is not None:
-        bt, lens, rows = meta.decode_block_tables, meta.decode_context_lens, meta.decode_rows
-        b = bt.shape[0]
-        ks = k_cache[bt].reshape(b, -1, kvh, d)[:, :meta.decode_max_len].transpose(1, 2)
-        vs = v_cache[bt].reshape(b, -1, kvh, d)[:, :meta.decode_max_len].transpose(1, 2)
-        k_pos = torch.arange(meta.decode_max_len, device=q.device)
-        mask = k_pos[None, :] < lens[:, None]
+    for g in meta.decode_groups:
+        b = g.block_tables.shape[0]
+        ks = k_cache[g.block_tables].reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
+        vs = v_cache[g.block_tables].reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
+        k_pos = torch.arange(g.max_len, device=q.device)
+        mask = k_pos[None, :] < g.context_lens[:, None]
         if meta.sliding_window is not None:
-            mask &= k_pos[None, :] >= lens[:, None] - meta.sliding_window
-        qd = q[rows].unsqueeze(2)  # [B, H, 1, D]
+            mask &= k_pos[None, :] >= g.context_lens[:, None] - meta.sliding_window
+        qd = q[g.rows].unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], enable_gqa=True)
-        out[rows] = o.squeeze(2)
+        out[g.rows] = o.squeeze(2)
     return out

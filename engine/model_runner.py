@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSpan
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.sampler import sample
@@ -62,19 +62,32 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(row - 1)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev), prefills=prefills, decode_rows=None,
-            decode_block_tables=None, decode_context_lens=None, decode_max_len=0, block_size=bs,
-            sliding_window=self.sliding_window)
-        if dec_rows:
-            width = max(len(t) for t in dec_tables)
-            padded = [t + [0] * (width - len(t)) for t in dec_tables]
-            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            meta.decode_context_lens = torch.tensor(dec_lens, dtype=torch.long, device=dev)
-            meta.decode_max_len = max(dec_lens)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
+                                 decode_groups=self._decode_groups(dec_rows, dec_tables, dec_lens), block_size=bs,
+                                 sliding_window=self.sliding_window)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(positions).to(dev), meta, sample_rows
+
+    def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
+        """Bucket decode sequences by context length (a new group once the length doubles), so
+        padding costs at most ~2x the real KV read instead of batch x the longest context."""
+        groups: list[DecodeGroup] = []
+        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        start = 0
+        for j in range(1, len(order) + 1):
+            if j < len(order) and lens[order[j]] <= 2 * max(lens[order[start]], 64):
+                continue
+            idx = order[start:j]
+            width = max(len(tables[i]) for i in idx)
+            dev = self.device
+            groups.append(DecodeGroup(
+                rows=torch.tensor([rows[i] for i in idx], dtype=torch.long, device=dev),
+                block_tables=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in idx],
+                                          dtype=torch.long, device=dev),
+                context_lens=torch.tensor([lens[i] for i in idx], dtype=torch.long, device=dev),
+                max_len=max(lens[i] for i in idx)))
+            start = j
+        return groups
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput

@@ -1,0 +1,156 @@
+"""Disaggregated (1 prefill + 1 decode worker) against colocated (2 workers doing both phases)
+on the same machine, with the same number of worker processes, on the 50M benchmark model.
+
+Workload: short requests (64-token prompts, 64 new tokens) stream while long prompts (2048
+tokens, 16 new tokens) keep arriving. Reports TPOT p99, TTFT p90 and goodput at a few rates
+as JSON and a PNG. Run: .venv/bin/python bench/disagg_vs_colocated.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+OUT = Path(__file__).resolve().parent / "out"
+SHORT = (64, 64)  # prompt, new tokens
+LONG = (2048, 16)
+
+
+async def drive(address: str, rate: float, duration: float, long_every: int, seed: int) -> list:
+    from model_factory import random_prompt
+
+    from pdserve.loadgen import GrpcBackend, Result
+
+    be = GrpcBackend(address)
+    rng = np.random.default_rng(seed)
+    results: list[tuple[str, Result]] = []
+    tasks = []
+    t0 = time.perf_counter()
+
+    async def one(kind: str, prompt: list[int], new: int) -> None:
+        res = Result(False, len(prompt), start=time.perf_counter() - t0)
+        try:
+            await be.run(prompt, new, res)
+        except Exception as e:
+            res.error = f"{type(e).__name__}: {e}"
+        results.append((kind, res))
+
+    await be.run(random_prompt(32, seed=1), 4, Result(False, 32))  # warm-up
+    i = 0
+    while time.perf_counter() - t0 < duration:
+        kind = "long" if i % long_every == long_every - 1 else "short"
+        n, new = LONG if kind == "long" else SHORT
+        tasks.append(asyncio.create_task(one(kind, random_prompt(n, seed=seed * 100000 + i), new)))
+        i += 1
+        await asyncio.sleep(rng.exponential(1.0 / rate))
+    await asyncio.gather(*tasks)
+    await be.close()
+    return results
+
+
+def summarize(results: list, duration: float, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
+    from pdserve.loadgen import summarize as base
+
+    out = base([r for _, r in results], duration, slo_ttft_ms, slo_tpot_ms)
+    for kind in ("short", "long"):
+        sub = [r for k, r in results if k == kind]
+        out[kind] = base(sub, duration, slo_ttft_ms, slo_tpot_ms) if sub else None
+    return out
+
+
+def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_every: int, slo: tuple) -> list[dict]:
+    from pdserve.config import load_config
+    from pdserve.launch.cluster import RayCluster
+
+    over = {"model": str(path), "mode": mode, "router.port": 0, "router.http_port": None,
+            "engine.num_threads": 1, "engine.kv_cache_memory_bytes": 768 << 20, "engine.prefill_chunk_size": 512,
+            "engine.max_num_batched_tokens": 2048, "heartbeat.interval_s": 1.0, "router.request_timeout_s": 600}
+    if mode == "colocated":
+        over["colocated.replicas"] = 2
+    else:
+        over.update({"prefill.replicas": 1, "decode.replicas": 1})
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "local.yaml", **over)
+    rows = []
+    with RayCluster(cfg) as cluster:
+        for k, rate in enumerate(rates):
+            t0 = time.perf_counter()
+            results = asyncio.run(drive(cluster.address, rate, duration, long_every, seed=k + 1))
+            s = summarize(results, time.perf_counter() - t0, *slo)
+            rows.append({"mode": mode, "rate": rate, "summary": s,
+                         "requests": [{"kind": k, "start": r.start, "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e,
+                                       "output_len": r.output_len, "ok": r.ok} for k, r in results]})
+            sh = s["short"]
+            print(f"{mode:13s} rate {rate:4.1f}/s: goodput {s['goodput']:.2f} req/s of {s['request_throughput']:.2f}; "
+                  f"TPOT p99 {s['tpot_ms']['p99']:.1f} ms (short {sh['tpot_ms']['p99']:.1f}); "
+                  f"TTFT p90 {s['ttft_ms']['p90']:.0f} ms (short {sh['ttft_ms']['p90']:.0f}); failed {s['failed']}",
+                  flush=True)
+    return rows
+
+
+def plot(rows: list[dict], path: Path, slo: tuple) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for mode, style in (("disaggregated", "o-"), ("colocated", "s--")):
+        sub = [r for r in rows if r["mode"] == mode]
+        rates = [r["rate"] for r in sub]
+        axes[0].plot(rates, [r["summary"]["tpot_ms"]["p99"] for r in sub], style, label=mode)
+        axes[1].plot(rates, [r["summary"]["ttft_ms"]["p90"] for r in sub], style, label=mode)
+        axes[2].plot(rates, [r["summary"]["goodput"] for r in sub], style, label=mode)
+    axes[0].axhline(slo[1], color="red", ls=":")
+    axes[1].axhline(slo[0], color="red", ls=":")
+    axes[0].set(xlabel="arrival rate (req/s)", ylabel="ms", title="TPOT p99")
+    axes[1].set(xlabel="arrival rate (req/s)", ylabel="ms", title="TTFT p90")
+    axes[2].set(xlabel="arrival rate (req/s)", ylabel="req/s", title=f"goodput (TTFT<={slo[0]:.0f}ms, "
+                f"TPOT<={slo[1]:.0f}ms)")
+    for ax in axes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rates", default="1,2,3")
+    ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--long-every", type=int, default=5, help="one long prompt per this many requests")
+    ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=60.0)
+    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--out", default=str(OUT / "disagg_vs_colocated.json"))
+    args = ap.parse_args()
+    from model_factory import build_bench_model
+
+    path = build_bench_model()
+    rates = [float(r) for r in args.rates.split(",")]
+    duration = 12.0 if args.quick else args.duration
+    slo = (args.slo_ttft_ms, args.slo_tpot_ms)
+    rows = []
+    for mode in args.modes.split(","):
+        rows += run_mode(mode, path, rates, duration, args.long_every, slo)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"workload": {"short": SHORT, "long": LONG, "long_every": args.long_every,
+                                            "duration_s": duration}, "slo_ms": {"ttft": slo[0], "tpot": slo[1]},
+                               "results": rows}, indent=2))
+    plot(rows, out.with_suffix(".png"), slo)
+    print(f"-> {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
