@@ -67,7 +67,7 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         if ok:
             self.bytes_sent += header.total_bytes
         else:
-            log.warning("KV transfer of %s to %s failed: %s", rid, handle.dest, handle.error)
+            log.warning("KV transfer failed", extra={"request_id": rid, "dest": handle.dest, "reason": handle.error})
         return wpb.TransferResult(ok=ok, error=handle.error, bytes=header.total_bytes, blocks=header.num_blocks,
                                   seconds=time.monotonic() - t0)
 

@@ -213,11 +213,14 @@ class RouterCore:
                     break
                 if attempt == self.cfg.router.max_retries:
                     raise st.failure or RequestFailed(grpc.StatusCode.UNAVAILABLE, "request failed")
-                log.warning("retrying %s after: %s", st.request_id, st.failure and st.failure.message)
+                log.warning("retrying request", extra={"request_id": st.request_id,
+                                                        "reason": st.failure and st.failure.message})
                 st.failure = None
             self.counters["finished"] += 1
         except RequestFailed as e:
             self.counters["failed"] += 1
+            log.info("request failed", extra={"request_id": st.request_id, "code": e.code.name, "reason": e.message,
+                                              "prefill_worker": st.prefill_worker, "decode_worker": st.decode_worker})
             for ob in self.observers:
                 ob.on_fail(st, e)
             raise
@@ -402,6 +405,11 @@ class RouterCore:
         self.counters["slo_met" if met else "slo_missed"] += 1
         for ob in self.observers:
             ob.on_finish(st, msg)
+        log.info("request finished", extra={
+            "request_id": st.request_id, "finish_reason": reason, "prompt_tokens": len(st.prompt),
+            "cached_tokens": st.cached_tokens, "completion_tokens": st.completion_tokens,
+            "prefill_worker": st.prefill_worker, "decode_worker": st.decode_worker, "ttft_ms": round(ttft * 1e3, 2),
+            "tpot_ms": round(tpot * 1e3, 3), "kv_bytes": st.transfer_bytes})
         return msg
 
 

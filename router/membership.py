@@ -71,7 +71,7 @@ class Membership:
         rec = WorkerRecord(info.worker_id, info.role, info.address, info.transfer_address, info.num_blocks,
                            info.block_size, channel, stub)
         self.workers[info.worker_id] = rec
-        log.info("worker %s (%s) joined at %s", info.worker_id, info.role, info.address)
+        log.info("worker joined", extra={"worker_id": info.worker_id, "role": info.role, "address": info.address})
         self.notify()
         return rec
 
@@ -94,7 +94,7 @@ class Membership:
         rec = self.workers.pop(worker_id, None)
         if rec is None:
             return
-        log.warning("dropping worker %s: %s", worker_id, why)
+        log.warning("dropping worker", extra={"worker_id": worker_id, "reason": why})
         self._fail_inflight(rec, why)
         asyncio.ensure_future(rec.channel.close())
         for cb in self.on_leave:

@@ -233,3 +233,15 @@ def test_colocated_mode_matches_engine(stories_path, story):
     assert [o.token_ids for o in outs] == [r["token_ids"] for r in ref]
     assert all(o.usage["kv_transfer_bytes"] == 0 and o.prefill_worker == o.decode_worker for o in outs)
     assert st.mode == "colocated" and {w.role for w in st.workers} == {"colocated"} and len(st.workers) == 2
+
+
+def test_structured_logs_carry_request_ids(cluster, caplog):
+    from pdserve.runtime.logs import JsonFormatter
+
+    with caplog.at_level("INFO", logger="router.core"), cluster.client() as c:
+        out = c.generate(make_request("Once upon a time", max_tokens=3, request_id="log-me-1"))
+    records = [r for r in caplog.records if getattr(r, "request_id", None) == "log-me-1"]
+    assert records and out.finish_reason
+    line = json.loads(JsonFormatter().format(records[-1]))
+    assert line["request_id"] == "log-me-1" and line["msg"] == "request finished"
+    assert line["completion_tokens"] == 3 and line["decode_worker"] == "decode-0" and line["level"] == "INFO"

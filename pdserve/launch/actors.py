@@ -63,8 +63,9 @@ class _LoopHost:
 
 
 def _quiet_logging() -> None:
-    logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdserve.runtime.logs import setup_logging
+
+    setup_logging()
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
