@@ -61,7 +61,7 @@ class ColocatedService(wrpc.ColocatedWorkerServicer):
                                        top_logprobs=top_to_proto(out.new_top_logprobs) if any(out.new_top_logprobs)
                                        else [], finish_reason=out.finish_reason or "")
                 if first:
-                    seq_times = await loop.call(_times, eng, rid)
+                    seq_times = await loop.call(eng.request_timings, rid)
                     tok.queue_s, tok.prefill_s = seq_times
                     tok.cached_tokens = out.num_cached_tokens
                     first = False
@@ -78,13 +78,6 @@ class ColocatedService(wrpc.ColocatedWorkerServicer):
                 loop.call(_abort, eng, rid)
 
 
-def _times(engine: LLMEngine, rid: str) -> tuple[float, float]:
-    seq = engine.seqs.get(rid)
-    if seq is None or seq.first_scheduled_time is None or seq.first_token_time is None:
-        return 0.0, 0.0
-    return seq.first_scheduled_time - seq.arrival_time, seq.first_token_time - seq.first_scheduled_time
-
-
 def _abort(engine: LLMEngine, rid: str) -> None:
     if rid in engine.seqs:
         engine.abort_request(rid)
@@ -95,10 +88,4 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
     rt = WorkerRuntime(cfg, "colocated", worker_id, router_address)
     service = ColocatedService(rt)
     rt.service = service
-    try:
-        await rt.start(lambda server: wrpc.add_ColocatedWorkerServicer_to_server(service, server))
-        if started is not None and not started.done():
-            started.set_result(rt.address)
-        await (stop or asyncio.Event()).wait()
-    finally:
-        await rt.stop()
+    await rt.run(lambda server: wrpc.add_ColocatedWorkerServicer_to_server(service, server), stop, started)

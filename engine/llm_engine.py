@@ -258,6 +258,13 @@ class LLMEngine:
         if seq is not None:
             self._finish(seq, "abort")
 
+    def request_timings(self, request_id: str) -> tuple[float, float]:
+        """(queue, prefill) seconds of a live request: arrival -> first scheduled -> first token."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.first_scheduled_time is None or seq.first_token_time is None:
+            return 0.0, 0.0
+        return seq.first_scheduled_time - seq.arrival_time, seq.first_token_time - seq.first_scheduled_time
+
     def stats(self) -> EngineStats:
         bm = self.bm
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_blocks,

@@ -17,10 +17,6 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
     service = PrefillService(rt, sender)
     rt.service = service
     try:
-        await rt.start(lambda server: add_to_server(server, service))
-        if started is not None and not started.done():
-            started.set_result(rt.address)
-        await (stop or asyncio.Event()).wait()
+        await rt.run(lambda server: add_to_server(server, service), stop, started)
     finally:
-        await rt.stop()
         sender.close()

@@ -21,13 +21,6 @@ from transfer import KVSender, TransferState
 log = logging.getLogger(__name__)
 
 
-def _timings(engine: LLMEngine, rid: str) -> tuple[float, float]:
-    seq = engine.seqs.get(rid)
-    if seq is None or seq.first_scheduled_time is None or seq.first_token_time is None:
-        return 0.0, 0.0
-    return seq.first_scheduled_time - seq.arrival_time, seq.first_token_time - seq.first_scheduled_time
-
-
 def _drop(engine: LLMEngine, rid: str) -> None:
     """Free whatever the request still holds: a prefilled sequence's blocks stay cached."""
     seq = engine.seqs.get(rid)
@@ -86,7 +79,7 @@ class PrefillService(wrpc.PrefillWorkerServicer):
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out = await q.get()
-            queue_s, prefill_s = await loop.call(_timings, eng, rid)
+            queue_s, prefill_s = await loop.call(eng.request_timings, rid)
             yield wpb.PrefillResponse(first=wpb.FirstToken(
                 token_id=out.new_token_ids[0], logprob=out.new_logprobs[0],
                 top_logprobs=top_to_proto(out.new_top_logprobs)[0] if out.new_top_logprobs[0] else None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -95,3 +96,15 @@ class KVReceiver(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+
+def drain(q: queue.Queue, timeout_s: float) -> list:
+    """Everything queued now, waiting at most timeout_s for the first item."""
+    out = []
+    try:
+        out.append(q.get(timeout=timeout_s) if timeout_s > 0 else q.get_nowait())
+        while True:
+            out.append(q.get_nowait())
+    except queue.Empty:
+        pass
+    return out

@@ -7,7 +7,7 @@ import queue
 import time
 from collections.abc import Sequence
 
-from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState
+from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
 from transfer.wire import KVHeader
 
 _RECEIVERS: dict[str, FakeReceiver] = {}
@@ -21,14 +21,7 @@ class FakeReceiver(KVReceiver):
         _RECEIVERS[self.address] = self
 
     def poll(self, timeout_s: float = 0.0) -> list[ReceivedKV]:
-        out = []
-        try:
-            out.append(self.queue.get(timeout=timeout_s) if timeout_s > 0 else self.queue.get_nowait())
-            while True:
-                out.append(self.queue.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return drain(self.queue, timeout_s)
 
     def close(self) -> None:
         _RECEIVERS.pop(self.address, None)

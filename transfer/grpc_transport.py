@@ -15,7 +15,7 @@ from concurrent import futures
 import grpc
 import msgpack
 
-from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState
+from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
 from transfer.wire import KVHeader, TransferError
 
 METHOD = "/pdserve.v1.KVTransfer/Push"
@@ -125,14 +125,7 @@ class GrpcReceiver(KVReceiver):
         return msgpack.packb({"rid": rid, **result})
 
     def poll(self, timeout_s: float = 0.0) -> list[ReceivedKV]:
-        out: list[ReceivedKV] = []
-        try:
-            out.append(self._queue.get(timeout=timeout_s) if timeout_s > 0 else self._queue.get_nowait())
-            while True:
-                out.append(self._queue.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return drain(self._queue, timeout_s)
 
     def close(self) -> None:
         self.server.stop(grace=0)

@@ -95,6 +95,17 @@ class WorkerRuntime:
                     log.debug("heartbeat to %s failed: %s", self.router_address, e.code())
                 await asyncio.sleep(max(interval - (time.monotonic() - t0), 0.01))
 
+    async def run(self, add_servicer: Callable[[grpc.aio.Server], None], stop: asyncio.Event | None = None,
+                  started: asyncio.Future | None = None) -> None:
+        """Start, report the address through `started`, serve until `stop` is set, then stop."""
+        try:
+            await self.start(add_servicer)
+            if started is not None and not started.done():
+                started.set_result(self.address)
+            await (stop or asyncio.Event()).wait()
+        finally:
+            await self.stop()
+
     async def stop(self) -> None:
         if self._hb_task:
             self._hb_task.cancel()
