@@ -23,6 +23,8 @@ def _config(args: argparse.Namespace):
         overrides["router.port"] = args.port
     if getattr(args, "http_port", None) is not None:
         overrides["router.http_port"] = args.http_port
+    if getattr(args, "ray_address", None):
+        overrides["ray.address"] = args.ray_address
     try:
         cfg = load_config(args.config, **overrides)
     except FileNotFoundError as e:
@@ -252,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--port", type=int, default=None, help="router gRPC port (overrides the YAML)")
     p.add_argument("--http-port", type=int, default=None, help="router HTTP port (overrides the YAML)")
+    p.add_argument("--ray-address", default=None, help="join this running Ray cluster (default: RAY_ADDRESS, "
+                   "else the YAML, else an embedded local one)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("generate", help="stream a completion from a running router")

@@ -48,6 +48,8 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 90) -> list[psutil.Process]:
     """Signal the process, wait for it, return any of its descendants still alive."""
+    if proc.poll() is not None:
+        return []
     kids = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(sig)
     proc.wait(timeout)
@@ -134,3 +136,43 @@ def test_standalone_components_across_addresses(stories_path, tmp_path):
 def test_unreachable_router_is_an_error(cmd):
     r = run_cli(*cmd, timeout=60)
     assert r.returncode != 0
+
+
+def test_up_joins_an_existing_ray_cluster():
+    """`ray start --head` first (as on a real cluster), then `pdserve up --ray-address` joins it:
+    the router and workers are actors of that cluster, and stopping pdserve leaves it running."""
+    import shutil
+    import tempfile
+
+    port = free_port("127.0.0.1")
+    tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths must fit AF_UNIX limits
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                             "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                             "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_line(head, "Ray runtime started", timeout=120)
+        up = subprocess.Popen([*PDSERVE, "up", "--port", "0", "--http-port", "0", "--ray-address",
+                               f"127.0.0.1:{port}"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+        try:
+            addr = wait_line(up, "router ready at grpc://").split("grpc://")[1].split()[0]
+            probe = ("import ray, sys; ray.init(address=sys.argv[1], _node_ip_address='127.0.0.1', "
+                     "log_to_driver=False); "
+                     "print(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))")
+            r = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], capture_output=True, text=True,
+                               timeout=120, env=dict(os.environ, RAY_AUTH_MODE="token"))
+            assert "pdserve-router-" in r.stdout and "pdserve-decode-0" in r.stdout, r.stdout + r.stderr
+            r = run_cli("generate", "--router", addr, "--max-tokens", "5", "Once upon a time")
+            assert r.returncode == 0, r.stderr
+        finally:
+            alive = stop(up)
+        assert up.returncode == 0 and not alive
+        assert head.poll() is None, "stopping pdserve must not stop the cluster it joined"
+    finally:
+        if head.poll() is None:
+            kids = psutil.Process(head.pid).children(recursive=True)
+            head.send_signal(signal.SIGTERM)
+            head.wait(60)
+            psutil.wait_procs(kids, timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)

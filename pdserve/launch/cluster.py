@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from pathlib import Path
 
 from pdserve.config import ClusterConfig
 
@@ -20,17 +21,24 @@ class RayCluster:
         self._own_ray = False
 
     def start(self, timeout_s: float = 300.0) -> str:
+        joining = (self.cfg.ray.address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")
+        if joining and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+            # `ray start` turns token auth on when ~/.ray/auth_token exists; a joining driver must do the
+            # same (before Ray is imported: it reads the mode once) or the cluster refuses it.
+            os.environ["RAY_AUTH_MODE"] = "token"
         import ray
 
         from pdserve.launch.actors import RouterActor
 
         if not ray.is_initialized():
             r = self.cfg.ray
-            if r.address in (None, "", "local"):
+            # Ray's own convention: RAY_ADDRESS names a running cluster to join.
+            address = r.address or os.environ.get("RAY_ADDRESS")
+            if address in (None, "", "local"):
                 ray.init(address="local", _node_ip_address=r.node_ip_address, include_dashboard=False,
                          num_cpus=r.num_cpus or os.cpu_count(), log_to_driver=False, configure_logging=False)
             else:
-                ray.init(address=r.address, log_to_driver=False)
+                ray.init(address=address, _node_ip_address=r.node_ip_address, log_to_driver=False)
             self._own_ray = True
         cfg = self.cfg.model_dump()
         self.router = RouterActor.options(name=f"pdserve-router-{uuid.uuid4().hex[:8]}").remote(cfg)
