@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class PendingImport:
     reservation: KVReservation
     arrived: asyncio.Future  # resolves to the header's meta dict, or raises TransferError
+    attempt: int = 0
 
 
 def _drop(engine: LLMEngine, rid: str) -> None:
@@ -57,6 +58,10 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         p = self.pending.get(rid)
         if p is None:
             rx.ack(False, f"{rid}: no open reservation (cancelled or timed out)")
+            return
+        if rx.header.meta.get("attempt", 0) != p.attempt:
+            # A late transfer of an earlier attempt: refuse it without touching this reservation.
+            rx.ack(False, f"{rid}: stale transfer of attempt {rx.header.meta.get('attempt')}, expected {p.attempt}")
             return
         try:
             check_and_land(rx.header, rx.frames, p.reservation, self.rt.engine.kv.data)
@@ -93,7 +98,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         self.rt.reserved_blocks += reserved
         self.rt.inflight += 1
         q = loop.open_stream(rid)
-        self.pending[rid] = PendingImport(res, asyncio.get_running_loop().create_future())
+        self.pending[rid] = PendingImport(res, asyncio.get_running_loop().create_future(), request.attempt)
         finished = False
         try:
             yield wpb.DecodeResponse(reservation=wpb.Reservation(

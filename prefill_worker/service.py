@@ -43,6 +43,7 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         t0 = time.monotonic()
         exp = await loop.call(eng.export_kv, rid, request.skip_blocks)
         header, frames = pack_export(exp, eng.kv.data, self.rt.cfg.transfer.max_frame_bytes)
+        header.meta["attempt"] = request.attempt
         timeout = request.transfer_timeout_s or self.rt.cfg.transfer.timeout_s
         handle = self.sender.send(request.decode_transfer_address, header, frames, timeout)
         delay = 0.0002

@@ -55,6 +55,7 @@ class RequestState:
     transfer_bytes: int = 0
     prefill_worker: str = ""
     decode_worker: str = ""
+    attempt: int = 0
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         if self.failure is None:
@@ -156,7 +157,8 @@ class RouterCore:
                     method = w.stub.Generate if role == "colocated" else w.stub.Decode
                     call = method(wpb.DecodeRequest(
                         request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
-                        transfer_timeout_s=self.cfg.transfer.timeout_s), timeout=max(st.remaining, 0.001))
+                        transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt),
+                        timeout=max(st.remaining, 0.001))
                     # Count the request against the worker now, so concurrent admissions spread out.
                     w.inflight[st.request_id] = st.fail
                     try:
@@ -202,6 +204,7 @@ class RouterCore:
         tried: set[str] = set()
         try:
             for attempt in range(self.cfg.router.max_retries + 1):
+                st.attempt = attempt
                 retry = False
                 attempt_fn = self._attempt_colocated if self.cfg.mode == "colocated" else self._attempt
                 async for msg in attempt_fn(st, tried):
@@ -248,7 +251,8 @@ class RouterCore:
             pcall = pw.stub.Prefill(wpb.PrefillRequest(
                 request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
                 decode_transfer_address=dw.transfer_address, skip_blocks=res.num_held_blocks,
-                transfer_timeout_s=self.cfg.transfer.timeout_s), timeout=max(st.remaining, 0.001))
+                transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt),
+                timeout=max(st.remaining, 0.001))
             st.calls.append(pcall)
             first = await self._read(st, pcall, pw)
             if first is grpc.aio.EOF:

@@ -182,3 +182,35 @@ def test_corrupt_transfer_is_rejected_then_retried(stories_path):
         err = rpc_error(c, make_request("Once upon a time there was", max_tokens=20))
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "checksum" in err.details()
         cl.wait_idle()
+
+
+def test_stale_attempt_transfer_is_refused(cluster):
+    """KV from an earlier attempt of a retried request never lands in the retry's reservation."""
+    import torch
+
+    from pdserve.runtime.convert import params_to_proto
+    from pdserve.v1 import worker_pb2 as wpb
+    from pdserve.v1 import worker_pb2_grpc as wrpc
+    from transfer import TransferState, build_header, make_sender
+
+    dec = next(w for w in cluster.core.members.workers.values() if w.role == "decode")
+    kv = next(rt for rt in cluster.runtimes() if rt.role == "decode").engine.kv
+    with grpc.insecure_channel(dec.address) as ch:
+        call = wrpc.DecodeWorkerStub(ch).Decode(wpb.DecodeRequest(
+            request_id="stale-1", prompt_token_ids=[1, 403, 407, 261, 378], attempt=1, transfer_timeout_s=10,
+            sampling=params_to_proto(SamplingParams(max_tokens=4, temperature=0))))
+        assert next(call).reservation.ok
+        frame = memoryview(torch.zeros(kv.block_shape).view(-1).view(torch.uint8).numpy())
+        header = build_header("stale-1", "float32", list(kv.block_shape), frame.nbytes, [None], [frame], [1],
+                              meta={"attempt": 0, "first_token": 5, "first_logprob": 0.0})
+        sender = make_sender("zmq")
+        try:
+            h = sender.send(dec.transfer_address, header, [frame], timeout_s=10)
+            while not h.done:
+                sender.poll()
+                time.sleep(0.001)
+        finally:
+            sender.close()
+        assert h.state is TransferState.FAILED and "stale transfer of attempt 0" in h.error
+        call.cancel()
+    cluster.wait_idle()

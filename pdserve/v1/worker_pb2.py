@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import router_pb2 as pdserve_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/router.proto\"\x8f\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\"2\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"O\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\".\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\xbe\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x04 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x1a\n\x12transfer_timeout_s\x18\x06 \x01(\x01\"\xbe\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\"[\n\x0eTransferResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"r\n\x0fPrefillResponse\x12\'\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12.\n\x08transfer\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.TransferResultH\x00\x42\x06\n\x04kind\"\x87\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1a\n\x12transfer_timeout_s\x18\x04 \x01(\x01\"[\n\x0bReservation\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0fnum_held_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\"\xd9\x01\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rkv_transfer_s\x18\x06 \x01(\x01\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x15\n\rcached_tokens\x18\t \x01(\r\"t\n\x0e\x44\x65\x63odeResponse\x12.\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ReservationH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.DecodeTokensH\x00\x42\x06\n\x04kind2\x8f\x01\n\x07\x43ontrol\x12=\n\x08Register\x12\x16.pdserve.v1.WorkerInfo\x1a\x19.pdserve.v1.RegisterReply\x12\x45\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1a.pdserve.v1.HeartbeatReply2U\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32V\n\x0f\x43olocatedWorker\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x32Q\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/router.proto\"\x8f\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\"2\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"O\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\".\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\xcf\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x04 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x1a\n\x12transfer_timeout_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\"\xbe\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\"[\n\x0eTransferResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\r\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\"r\n\x0fPrefillResponse\x12\'\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x12.\n\x08transfer\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.TransferResultH\x00\x42\x06\n\x04kind\"\x98\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1a\n\x12transfer_timeout_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\"[\n\x0bReservation\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0fnum_held_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\"\xd9\x01\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rkv_transfer_s\x18\x06 \x01(\x01\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x11\n\tprefill_s\x18\x08 \x01(\x01\x12\x15\n\rcached_tokens\x18\t \x01(\r\"t\n\x0e\x44\x65\x63odeResponse\x12.\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ReservationH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.DecodeTokensH\x00\x42\x06\n\x04kind2\x8f\x01\n\x07\x43ontrol\x12=\n\x08Register\x12\x16.pdserve.v1.WorkerInfo\x1a\x19.pdserve.v1.RegisterReply\x12\x45\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1a.pdserve.v1.HeartbeatReply2U\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32V\n\x0f\x43olocatedWorker\x12\x43\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x32Q\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,27 +41,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREPLY']._serialized_start=343
   _globals['_HEARTBEATREPLY']._serialized_end=389
   _globals['_PREFILLREQUEST']._serialized_start=392
-  _globals['_PREFILLREQUEST']._serialized_end=582
-  _globals['_FIRSTTOKEN']._serialized_start=585
-  _globals['_FIRSTTOKEN']._serialized_end=775
-  _globals['_TRANSFERRESULT']._serialized_start=777
-  _globals['_TRANSFERRESULT']._serialized_end=868
-  _globals['_PREFILLRESPONSE']._serialized_start=870
-  _globals['_PREFILLRESPONSE']._serialized_end=984
-  _globals['_DECODEREQUEST']._serialized_start=987
-  _globals['_DECODEREQUEST']._serialized_end=1122
-  _globals['_RESERVATION']._serialized_start=1124
-  _globals['_RESERVATION']._serialized_end=1215
-  _globals['_DECODETOKENS']._serialized_start=1218
-  _globals['_DECODETOKENS']._serialized_end=1435
-  _globals['_DECODERESPONSE']._serialized_start=1437
-  _globals['_DECODERESPONSE']._serialized_end=1553
-  _globals['_CONTROL']._serialized_start=1556
-  _globals['_CONTROL']._serialized_end=1699
-  _globals['_PREFILLWORKER']._serialized_start=1701
-  _globals['_PREFILLWORKER']._serialized_end=1786
-  _globals['_COLOCATEDWORKER']._serialized_start=1788
-  _globals['_COLOCATEDWORKER']._serialized_end=1874
-  _globals['_DECODEWORKER']._serialized_start=1876
-  _globals['_DECODEWORKER']._serialized_end=1957
+  _globals['_PREFILLREQUEST']._serialized_end=599
+  _globals['_FIRSTTOKEN']._serialized_start=602
+  _globals['_FIRSTTOKEN']._serialized_end=792
+  _globals['_TRANSFERRESULT']._serialized_start=794
+  _globals['_TRANSFERRESULT']._serialized_end=885
+  _globals['_PREFILLRESPONSE']._serialized_start=887
+  _globals['_PREFILLRESPONSE']._serialized_end=1001
+  _globals['_DECODEREQUEST']._serialized_start=1004
+  _globals['_DECODEREQUEST']._serialized_end=1156
+  _globals['_RESERVATION']._serialized_start=1158
+  _globals['_RESERVATION']._serialized_end=1249
+  _globals['_DECODETOKENS']._serialized_start=1252
+  _globals['_DECODETOKENS']._serialized_end=1469
+  _globals['_DECODERESPONSE']._serialized_start=1471
+  _globals['_DECODERESPONSE']._serialized_end=1587
+  _globals['_CONTROL']._serialized_start=1590
+  _globals['_CONTROL']._serialized_end=1733
+  _globals['_PREFILLWORKER']._serialized_start=1735
+  _globals['_PREFILLWORKER']._serialized_end=1820
+  _globals['_COLOCATEDWORKER']._serialized_start=1822
+  _globals['_COLOCATEDWORKER']._serialized_end=1908
+  _globals['_DECODEWORKER']._serialized_start=1910
+  _globals['_DECODEWORKER']._serialized_end=1991
 # @@protoc_insertion_point(module_scope)

@@ -50,20 +50,22 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_transfer_address", "skip_blocks", "transfer_timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_transfer_address", "skip_blocks", "transfer_timeout_s", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DECODE_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
     decode_transfer_address: str
     skip_blocks: int
     transfer_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs", "text", "finish_reason", "cached_tokens", "queue_s", "prefill_s")
@@ -108,16 +110,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, first: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s", "attempt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
     transfer_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ...) -> None: ...
+    attempt: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("ok", "num_held_blocks", "num_blocks", "free_blocks")
