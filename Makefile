@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 MODEL ?= ../shared/models/stories260K
 
-.PHONY: install test demo lint proto proto-check bench clean
+.PHONY: install test demo lint proto proto-check bench bench-all clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ demo: install
 
 bench: install
 	$(PY) bench/engine.py
+
+# All benchmarks (about 10 minutes on 2 cores); JSON and PNGs land in bench/out/.
+bench-all: bench
+	$(PY) bench/transfer.py
+	$(PY) bench/disagg_vs_colocated.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
