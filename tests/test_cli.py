@@ -64,6 +64,11 @@ def test_up_generate_status_scale_and_clean_stop(stories_path):
     try:
         line = wait_line(up, "router ready at grpc://")
         addr = line.split("grpc://")[1].split()[0]
+        http = wait_line(up, "OpenAI-compatible HTTP at http://").split("HTTP at ")[1].split("/v1")[0]
+        import urllib.request
+
+        with urllib.request.urlopen(f"{http}/v1/models", timeout=30) as resp:
+            assert json.load(resp)["data"][0]["id"] == "stories260K"
         r = run_cli("generate", "--router", addr, "--max-tokens", "20", "--json", "Once upon a time")
         assert r.returncode == 0, r.stderr
         msgs = [json.loads(x) for x in r.stdout.splitlines()]

@@ -214,3 +214,35 @@ def test_stale_attempt_transfer_is_refused(cluster):
         assert h.state is TransferState.FAILED and "stale transfer of attempt 0" in h.error
         call.cancel()
     cluster.wait_idle()
+
+
+class DroppingSender(CorruptingSender):
+    """Pretends to send the first `n` transfers but never does: the decode side must time out."""
+
+    def send(self, dest, header, frames, timeout_s):
+        with self.lock:
+            drop, self.left = self.left > 0, self.left - 1
+        if drop:
+            from transfer import TransferHandle
+
+            return TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
+        return self.inner.send(dest, header, frames, timeout_s)
+
+
+def test_lost_transfer_times_out_frees_blocks_and_retries(stories_path):
+    cfg = make_config(stories_path, **{"router.max_retries": 1, "transfer.timeout_s": 1.0})
+    ref = LLMEngine(EngineConfig(model=stories_path)).generate(
+        ["Once upon a time there was"], SamplingParams(max_tokens=10, temperature=0))[0]
+    with InProcessCluster(cfg) as cl, cl.client() as c:
+        for rt in cl.runtimes():
+            if rt.role == "prefill":
+                rt.service.sender = DroppingSender(rt.service.sender, 1)
+        t0 = time.monotonic()
+        out = c.generate(make_request("Once upon a time there was", max_tokens=10), timeout=30)
+        assert out.token_ids == ref["token_ids"] and time.monotonic() - t0 >= 1.0  # the retry after the timeout
+        for rt in cl.runtimes():
+            if rt.role == "prefill":
+                rt.service.sender = DroppingSender(rt.service.sender.inner, 2)
+        err = rpc_error(c, make_request("Once upon a time there was", max_tokens=10))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE and "did not arrive" in err.details()
+        cl.wait_idle()
