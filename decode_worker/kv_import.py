@@ -1,5 +1,6 @@
-"""Checks an incoming KV transfer against the reservation and lands its frames in the
-reserved blocks. Until every check passes, the blocks belong to no running sequence."""
+"""Checks incoming KV against the reservation and lands frames in the reserved blocks. Until
+every check has passed and the sequence is committed, those blocks belong to no running
+sequence, so landing a frame early (while later ones are still on the wire) is safe."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from engine import KVReservation
 from transfer import KVHeader, TransferError, verify
 
 
-def check_and_land(header: KVHeader, frames: list[memoryview], res: KVReservation, pool: torch.Tensor) -> None:
-    """Raise TransferError (nothing used) or copy every shipped block into its reserved slot."""
-    verify(header, frames)
+def check_header(header: KVHeader, res: KVReservation, pool: torch.Tensor) -> None:
+    """Geometry, block count and hash chain against the reservation."""
     rid = header.request_id
     dtype = str(pool.dtype).removeprefix("torch.")
     if header.dtype != dtype or header.block_shape != list(pool.shape[1:]) or header.block_nbytes != pool[0].nbytes:
@@ -28,11 +28,23 @@ def check_and_land(header: KVHeader, frames: list[memoryview], res: KVReservatio
         expect = res.block_hashes[idx] if idx < len(res.block_hashes) else None
         if h != expect:
             raise TransferError(f"{rid}: block {idx} hash {h} differs from the prompt's hash chain {expect}")
-    k = 0
+
+
+def land_frame(header: KVHeader, index: int, buf: memoryview, res: KVReservation, pool: torch.Tensor) -> None:
+    """Copy one (already checksummed) frame into its reserved blocks."""
+    first = sum(f.num_blocks for f in header.frames[:index])
+    info = header.frames[index]
+    dst = res.missing_block_ids[first:first + info.num_blocks]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only zmq buffers: only read from here
-        for info, buf in zip(header.frames, frames, strict=True):
-            src = torch.frombuffer(buf, dtype=torch.uint8).view(pool.dtype).view(info.num_blocks, *pool.shape[1:])
-            for j in range(info.num_blocks):
-                pool[missing[k]].copy_(src[j])
-                k += 1
+        src = torch.frombuffer(buf, dtype=torch.uint8).view(pool.dtype).view(info.num_blocks, *pool.shape[1:])
+    for j, bid in enumerate(dst):
+        pool[bid].copy_(src[j])
+
+
+def check_and_land(header: KVHeader, frames: list[memoryview], res: KVReservation, pool: torch.Tensor) -> None:
+    """A whole transfer at once: raise TransferError (nothing used) or land every block."""
+    verify(header, frames)
+    check_header(header, res, pool)
+    for i, buf in enumerate(frames):
+        land_frame(header, i, buf, res, pool)

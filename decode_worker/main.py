@@ -14,10 +14,11 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
                 started: asyncio.Future | None = None) -> None:
     rt = WorkerRuntime(cfg, "decode", worker_id, router_address)
     pool = cfg.decode
+    service = DecodeService(rt)
     receiver = make_receiver(cfg.transfer.transport, host=pool.host, port=pool.transfer_port,
-                             advertise_host=pool.advertise_host)
+                             advertise_host=pool.advertise_host, sink=service)
     rt.transfer_address = receiver.address
-    service = DecodeService(rt, receiver)
+    service.attach(receiver)
     rt.service = service
     try:
         await rt.run(lambda server: add_to_server(server, service), stop, started)

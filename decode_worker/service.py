@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.kv_import import check_and_land
+from decode_worker.kv_import import check_and_land, check_header, land_frame
 from engine import InvalidRequestError, KVReservation, LLMEngine
 from pdserve.runtime.convert import params_from_proto, top_to_proto
 from pdserve.runtime.worker_server import WorkerRuntime
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wrpc
-from transfer import KVReceiver, ReceivedKV, TransferError
+from transfer import KVHeader, KVReceiver, ReceivedKV, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +35,20 @@ def _drop(engine: LLMEngine, rid: str) -> None:
 
 
 class DecodeService(wrpc.DecodeWorkerServicer):
-    def __init__(self, rt: WorkerRuntime, receiver: KVReceiver) -> None:
+    def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
-        self.receiver = receiver
+        self.receiver: KVReceiver | None = None
         self.pending: dict[str, PendingImport] = {}
+        # Held while a frame is copied into a reservation and while a reservation is withdrawn,
+        # so a cancelled request's blocks are never written after they are handed back.
+        self._land_lock = threading.Lock()
         self._stop = threading.Event()
         self._aloop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._receive_loop, name="kv-receiver", daemon=True)
+
+    def attach(self, receiver: KVReceiver) -> None:
+        """Start receiving. The receiver may stream frames into this service (it is a KVSink)."""
+        self.receiver = receiver
         self._thread.start()
 
     # ---- receiving (its own thread: checks and copies never stall the decode loop) --------------
@@ -53,18 +60,38 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             except Exception:
                 log.exception("KV receiver loop error")
 
-    def _land(self, rx: ReceivedKV) -> None:
-        rid = rx.header.request_id
+    def _pending_for(self, header: KVHeader) -> PendingImport:
+        rid = header.request_id
         p = self.pending.get(rid)
         if p is None:
-            rx.ack(False, f"{rid}: no open reservation (cancelled or timed out)")
-            return
-        if rx.header.meta.get("attempt", 0) != p.attempt:
+            raise TransferError(f"{rid}: no open reservation (cancelled or timed out)")
+        if header.meta.get("attempt", 0) != p.attempt:
             # A late transfer of an earlier attempt: refuse it without touching this reservation.
-            rx.ack(False, f"{rid}: stale transfer of attempt {rx.header.meta.get('attempt')}, expected {p.attempt}")
+            raise TransferError(f"{rid}: stale transfer of attempt {header.meta.get('attempt')}, expected {p.attempt}")
+        return p
+
+    # KVSink: a streaming receiver calls these as the header and each frame arrive.
+    def open(self, header: KVHeader) -> None:
+        check_header(header, self._pending_for(header).reservation, self.rt.engine.kv.data)
+
+    def frame(self, header: KVHeader, index: int, buf: memoryview) -> None:
+        with self._land_lock:
+            land_frame(header, index, buf, self._pending_for(header).reservation, self.rt.engine.kv.data)
+
+    def _land(self, rx: ReceivedKV) -> None:
+        """A transfer is complete (landed frame by frame already, or delivered whole)."""
+        try:
+            p = self._pending_for(rx.header)
+        except TransferError as e:
+            rx.ack(False, str(e))
             return
         try:
-            check_and_land(rx.header, rx.frames, p.reservation, self.rt.engine.kv.data)
+            if rx.error:
+                raise TransferError(rx.error)
+            if not rx.landed:
+                with self._land_lock:
+                    self._pending_for(rx.header)  # still reserved?
+                    check_and_land(rx.header, rx.frames, p.reservation, self.rt.engine.kv.data)
         except TransferError as e:
             rx.ack(False, str(e))
             self._aloop.call_soon_threadsafe(_resolve, p.arrived, e)
@@ -131,7 +158,8 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                 if finished:
                     break
         finally:
-            self.pending.pop(rid, None)
+            with self._land_lock:
+                self.pending.pop(rid, None)
             loop.close_stream(rid)
             self.rt.inflight -= 1
             self.rt.served += 1
@@ -141,8 +169,9 @@ class DecodeService(wrpc.DecodeWorkerServicer):
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
-        self.receiver.close()
+        if self.receiver is not None:
+            self._thread.join(timeout=2)
+            self.receiver.close()
 
 
 def _resolve(fut: asyncio.Future, value) -> None:

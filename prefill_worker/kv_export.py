@@ -28,5 +28,5 @@ def pack_export(exp: KVExport, pool: torch.Tensor, max_frame_bytes: int) -> tupl
     hashes = [exp.block_hashes[i] if i < len(exp.block_hashes) else None for i in shipped]
     meta = {"first_token": exp.first_token, "first_logprob": exp.first_logprob, "num_prompt_tokens": len(exp.token_ids)}
     header = build_header(exp.request_id, str(pool.dtype).removeprefix("torch."), list(pool.shape[1:]), block_nbytes,
-                          hashes, frames, counts, first_block=first, meta=meta)
+                          hashes, frames, counts, first_block=first, meta=meta, checksums=False)
     return header, frames

@@ -155,6 +155,9 @@ class CorruptingSender:
         with self.lock:
             corrupt, self.left = self.left > 0, self.left - 1
         if corrupt:
+            from transfer import fill_checksums
+
+            fill_checksums(header, frames)  # checksums of the clean data: the damage happens "on the wire"
             bad = bytearray(frames[0])
             bad[0] ^= 0xFF
             frames = [memoryview(bad), *frames[1:]]

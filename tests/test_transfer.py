@@ -69,6 +69,8 @@ def _serve(receiver, stop, check=verify, seen=None):
     while not stop.is_set():
         for rx in receiver.poll(0.02):
             try:
+                if rx.error:  # a streaming receiver already found a problem
+                    raise TransferError(rx.error)
                 check(rx.header, rx.frames)
                 if seen is not None:
                     seen.append([bytes(f) for f in rx.frames])

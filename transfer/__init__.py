@@ -1,8 +1,19 @@
 """KV block transfer between processes: msgpack headers, raw checksummed frames."""
 
-from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState
+from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState
 from transfer.registry import make_receiver, make_sender, register_transport
-from transfer.wire import KVHeader, TransferError, build_header, checksum, frame_runs, verify
+from transfer.wire import (
+    KVHeader,
+    TransferError,
+    build_header,
+    checksum,
+    fill_checksums,
+    frame_runs,
+    verify,
+    verify_frame,
+    verify_layout,
+)
 
-__all__ = ["KVHeader", "KVReceiver", "KVSender", "ReceivedKV", "TransferError", "TransferHandle", "TransferState",
-           "build_header", "checksum", "frame_runs", "make_receiver", "make_sender", "register_transport", "verify"]
+__all__ = ["KVHeader", "KVReceiver", "KVSender", "KVSink", "ReceivedKV", "TransferError", "TransferHandle",
+           "TransferState", "build_header", "checksum", "fill_checksums", "frame_runs", "make_receiver", "make_sender",
+           "register_transport", "verify", "verify_frame", "verify_layout"]

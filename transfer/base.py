@@ -12,6 +12,7 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from transfer.wire import KVHeader
 
@@ -63,11 +64,24 @@ class ReceivedKV:
     frames: list[memoryview]
     _ack: Callable[[bool, str], None]
     acked: bool = False
+    # True when a streaming receiver already checked and handed every frame to its sink
+    # (then `frames` is empty); an `error` is the first check that failed on the way.
+    landed: bool = False
+    error: str = ""
 
     def ack(self, ok: bool, error: str = "") -> None:
         if not self.acked:
             self.acked = True
             self._ack(ok, error)
+
+
+class KVSink(Protocol):
+    """Lets a streaming receiver hand over frames as they arrive (checks and copies overlap
+    the wire). Either method raises TransferError to refuse the transfer."""
+
+    def open(self, header: KVHeader) -> None: ...
+
+    def frame(self, header: KVHeader, index: int, buf: memoryview) -> None: ...
 
 
 class KVSender(abc.ABC):

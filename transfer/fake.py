@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 
 from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.wire import KVHeader
+from transfer.wire import KVHeader, fill_checksums
 
 _RECEIVERS: dict[str, FakeReceiver] = {}
 _ids = itertools.count()
@@ -33,6 +33,7 @@ class FakeSender(KVSender):
 
     def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
         handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
+        fill_checksums(header, frames)
         rx = _RECEIVERS.get(dest)
         if rx is None:
             handle.advance(TransferState.FAILED, f"no receiver at {dest}")

@@ -16,7 +16,7 @@ import grpc
 import msgpack
 
 from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.wire import KVHeader, TransferError
+from transfer.wire import KVHeader, TransferError, fill_checksums
 
 METHOD = "/pdserve.v1.KVTransfer/Push"
 CHUNK = 4 << 20
@@ -44,6 +44,7 @@ class GrpcSender(KVSender):
 
     def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
         handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
+        fill_checksums(header, frames)
         fut = self._call(dest).future(_chunks(header, frames), timeout=timeout_s)
         handle.advance(TransferState.SENT)
         self.open.append((handle, fut))

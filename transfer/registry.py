@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transfer.base import KVReceiver, KVSender
+from transfer.base import KVReceiver, KVSender, KVSink
 from transfer.fake import FakeReceiver, FakeSender
 from transfer.grpc_transport import GrpcReceiver, GrpcSender
 from transfer.zmq_transport import ZmqReceiver, ZmqSender
@@ -26,8 +26,11 @@ def make_sender(name: str, **kwargs) -> KVSender:
     return _lookup(name)[0](**kwargs)
 
 
-def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> KVReceiver:
-    return _lookup(name)[1](host=host, port=port, advertise_host=advertise_host)
+def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                  sink: KVSink | None = None) -> KVReceiver:
+    """`sink` is used by transports that stream frames (zmq); the others deliver whole transfers."""
+    kwargs = {"sink": sink} if sink is not None and name == "zmq" else {}
+    return _lookup(name)[1](host=host, port=port, advertise_host=advertise_host, **kwargs)
 
 
 def register_transport(name: str, sender: Callable[..., KVSender], receiver: Callable[..., KVReceiver]) -> None:

@@ -94,23 +94,45 @@ def frame_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int
 
 def build_header(request_id: str, dtype: str, block_shape: Sequence[int], block_nbytes: int,
                  block_hashes: Sequence[int | None], frames: Sequence[memoryview], blocks_per_frame: Sequence[int],
-                 first_block: int = 0, meta: dict[str, Any] | None = None) -> KVHeader:
-    infos = [FrameInfo(n, f.nbytes, checksum(f)) for f, n in zip(frames, blocks_per_frame, strict=True)]
+                 first_block: int = 0, meta: dict[str, Any] | None = None, checksums: bool = True) -> KVHeader:
+    """checksums=False leaves them to the transport, which may compute each one just before
+    that frame goes out (so hashing overlaps the wire)."""
+    infos = [FrameInfo(n, f.nbytes, checksum(f) if checksums else 0)
+             for f, n in zip(frames, blocks_per_frame, strict=True)]
     return KVHeader(request_id, dtype, list(block_shape), block_nbytes, list(block_hashes), first_block, infos,
                     dict(meta or {}))
 
 
+def fill_checksums(header: KVHeader, frames: Sequence[memoryview]) -> None:
+    for info, f in zip(header.frames, frames, strict=True):
+        if not info.checksum:
+            info.checksum = checksum(f)
+
+
+def verify_layout(header: KVHeader) -> None:
+    if sum(f.num_blocks for f in header.frames) != header.num_blocks:
+        raise TransferError(f"{header.request_id}: frames cover a different block count than the header")
+
+
+def verify_frame(header: KVHeader, index: int, buf: memoryview | bytes, digest: int | None = None) -> None:
+    """Size and xxh3 of one frame (against `digest`, or the header's checksum for it)."""
+    if not 0 <= index < len(header.frames):
+        raise TransferError(f"{header.request_id}: frame index {index} outside the header's {len(header.frames)}")
+    info = header.frames[index]
+    n = memoryview(buf).nbytes
+    if n != info.nbytes or n != info.num_blocks * header.block_nbytes:
+        raise TransferError(f"{header.request_id}: frame {index} has {n} bytes, expected {info.nbytes} "
+                            f"({info.num_blocks} blocks of {header.block_nbytes})")
+    if checksum(buf) != (info.checksum if digest is None else digest):
+        raise TransferError(f"{header.request_id}: frame {index} fails its xxh3 checksum (corrupt data)")
+
+
 def verify(header: KVHeader, frames: Sequence[memoryview | bytes]) -> None:
-    """Structural and checksum checks; raises TransferError naming the first problem."""
+    """Structural and checksum checks of a complete transfer; raises TransferError naming the
+    first problem."""
     if len(frames) != len(header.frames):
         raise TransferError(f"{header.request_id}: {len(frames)} frames received, header announces "
                             f"{len(header.frames)} (truncated message)")
-    if sum(f.num_blocks for f in header.frames) != header.num_blocks:
-        raise TransferError(f"{header.request_id}: frames cover a different block count than the header")
-    for i, (info, buf) in enumerate(zip(header.frames, frames, strict=True)):
-        n = memoryview(buf).nbytes
-        if n != info.nbytes or n != info.num_blocks * header.block_nbytes:
-            raise TransferError(f"{header.request_id}: frame {i} has {n} bytes, expected {info.nbytes} "
-                                f"({info.num_blocks} blocks of {header.block_nbytes})")
-        if checksum(buf) != info.checksum:
-            raise TransferError(f"{header.request_id}: frame {i} fails its xxh3 checksum (corrupt data)")
+    verify_layout(header)
+    for i, buf in enumerate(frames):
+        verify_frame(header, i, buf)

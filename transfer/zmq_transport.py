@@ -5,17 +5,29 @@ from __future__ import annotations
 
 import collections
 import itertools
+import struct
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import msgpack
 import zmq
 
-from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState
-from transfer.wire import KVHeader, TransferError
+from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState
+from transfer.wire import KVHeader, TransferError, checksum, verify_frame, verify_layout
 
 DEFAULT_HWM = 1024  # messages queued per peer before senders block: bounds memory held by ZeroMQ
+HEADER, FRAME = b"H", b"F"  # a transfer is one header message, then one message per frame
+
+
+@dataclass(slots=True)
+class _Incoming:
+    ident: bytes
+    header: KVHeader
+    frames: list = field(default_factory=list)
+    received: int = 0
+    error: str = ""
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -48,8 +60,15 @@ class ZmqSender(KVSender):
         handle.transfer_id = header.transfer_id
         sock = self._socket(dest)
         sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
+        tid = header.transfer_id.encode()
         try:
-            sock.send_multipart([header.encode(), *frames], copy=False)
+            sock.send_multipart([HEADER, header.encode()], copy=False)
+            # One message per frame, each with its own checksum computed just before it goes out:
+            # hashing frame i+1 overlaps ZeroMQ's I/O thread putting frame i on the wire.
+            for i, frame in enumerate(frames):
+                digest = header.frames[i].checksum or checksum(frame)
+                header.frames[i].checksum = digest
+                sock.send_multipart([FRAME, tid, struct.pack("<IQ", i, digest), frame], copy=False)
         except zmq.Again:
             handle.advance(TransferState.FAILED, f"send to {dest} timed out (peer not draining)")
             return handle
@@ -96,10 +115,12 @@ class ZmqSender(KVSender):
 
 
 class ZmqReceiver(KVReceiver):
-    """Binds a ROUTER socket. Not thread-safe except `ack`, which may come from any thread."""
+    """Binds a ROUTER socket. Frames are checked as they arrive and, when a sink is set, handed
+    to it at once; the completed transfer then comes out of `poll()`. Not thread-safe except
+    `ack`, which may come from any thread."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 hwm: int = DEFAULT_HWM) -> None:
+                 hwm: int = DEFAULT_HWM, sink: KVSink | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
@@ -111,6 +132,8 @@ class ZmqReceiver(KVReceiver):
             port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.port = port
         self.address = tcp_address(advertise_host or host, port)
+        self.sink = sink
+        self._incoming: dict[bytes, _Incoming] = {}
         self._acks: collections.deque[tuple[bytes, bytes]] = collections.deque()
         self._lock = threading.Lock()
 
@@ -137,19 +160,61 @@ class ZmqReceiver(KVReceiver):
                 parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
-            ident = parts[0].bytes
-            try:
-                if len(parts) < 2:
-                    raise TransferError("empty transfer message")
-                header = KVHeader.decode(parts[1].buffer)
-            except TransferError as e:
-                self._queue_ack(ident, "", False, str(e))
-                continue
-            frames = [p.buffer for p in parts[2:]]
-            tid = header.transfer_id
-            out.append(ReceivedKV(header, frames, lambda ok, err, i=ident, t=tid: self._queue_ack(i, t, ok, err)))
+            done = self._on_message(parts)
+            if done is not None:
+                out.append(done)
         self._flush_acks()
         return out
+
+    def _on_message(self, parts) -> ReceivedKV | None:
+        ident = parts[0].bytes
+        kind = parts[1].bytes if len(parts) > 1 else b""
+        if kind == HEADER and len(parts) == 3:
+            try:
+                header = KVHeader.decode(parts[2].buffer)
+                verify_layout(header)
+            except TransferError as e:
+                self._queue_ack(ident, "", False, str(e))
+                return None
+            inc = _Incoming(ident, header)
+            self._incoming[header.transfer_id.encode()] = inc
+            if self.sink is not None:
+                try:
+                    self.sink.open(header)
+                except TransferError as e:
+                    inc.error = str(e)
+            return self._finish_if_complete(header.transfer_id.encode(), inc)
+        if kind == FRAME and len(parts) == 5:
+            tid = parts[2].bytes
+            inc = self._incoming.get(tid)
+            if inc is None:
+                return None  # a transfer already refused or finished: drop its stragglers
+            inc.received += 1
+            if not inc.error:
+                index, digest = struct.unpack("<IQ", parts[3].bytes)
+                buf = parts[4].buffer
+                try:
+                    verify_frame(inc.header, index, buf, digest)
+                    inc.header.frames[index].checksum = digest
+                    if self.sink is not None:
+                        self.sink.frame(inc.header, index, buf)
+                    else:
+                        inc.frames.append((index, buf))
+                except TransferError as e:
+                    inc.error = str(e)
+            return self._finish_if_complete(tid, inc)
+        self._queue_ack(ident, "", False, "malformed transfer message")
+        return None
+
+    def _finish_if_complete(self, tid: bytes, inc: _Incoming) -> ReceivedKV | None:
+        if inc.received < len(inc.header.frames):
+            return None
+        del self._incoming[tid]
+        frames = [buf for _, buf in sorted(inc.frames, key=lambda x: x[0])]
+        t = tid.decode()
+        rx = ReceivedKV(inc.header, frames, lambda ok, err, i=inc.ident: self._queue_ack(i, t, ok, err),
+                        landed=self.sink is not None, error=inc.error)
+        return rx
 
     def close(self) -> None:
         self._flush_acks()
