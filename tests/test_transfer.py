@@ -127,3 +127,48 @@ def test_unacknowledged_transfer_times_out(transport):
     finally:
         tx.close()
         rx.close()
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.opened, self.frames = [], []
+
+    def open(self, header) -> None:
+        if header.meta.get("refuse"):
+            raise TransferError("refused by the sink")
+        self.opened.append(header.request_id)
+
+    def frame(self, header, index, buf) -> None:
+        self.frames.append((header.request_id, index, bytes(buf)))
+
+
+def test_zmq_streams_frames_into_a_sink():
+    sink = RecordingSink()
+    rx = make_receiver("zmq", host="127.0.0.5", sink=sink)
+    tx = make_sender("zmq")
+    try:
+        header, frames = make_payload(n_frames=5, blocks=1, block_nbytes=8192)
+        for info in header.frames:
+            info.checksum = 0  # the sender hashes each frame as it goes out
+        h = tx.send(rx.address, header, frames, timeout_s=10)
+        got = []
+        while not got:
+            got = rx.poll(0.05)
+        assert got[0].landed and not got[0].error and got[0].frames == []
+        assert sink.opened == ["req-1"]
+        assert [(i, b) for _, i, b in sink.frames] == [(i, bytes(f)) for i, f in enumerate(frames)]
+        got[0].ack(True)
+        assert _wait(tx, h).state is TransferState.DONE
+        # A refused header: the sink sees no frames and the sender learns why.
+        header2, frames2 = make_payload(n_frames=2, blocks=1, block_nbytes=8192)
+        header2.request_id, header2.meta["refuse"] = "req-2", True
+        h2 = tx.send(rx.address, header2, frames2, timeout_s=10)
+        got = []
+        while not got:
+            got = rx.poll(0.05)
+        assert got[0].error == "refused by the sink" and all(r != "req-2" for r, _, _ in sink.frames)
+        got[0].ack(False, got[0].error)
+        assert _wait(tx, h2).state is TransferState.FAILED and "refused" in h2.error
+    finally:
+        tx.close()
+        rx.close()

@@ -135,11 +135,14 @@ class ZmqReceiver(KVReceiver):
         self.sink = sink
         self._incoming: dict[bytes, _Incoming] = {}
         self._acks: collections.deque[tuple[bytes, bytes]] = collections.deque()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._owner: int | None = None  # the thread that polls (and so may use the socket)
 
     def _queue_ack(self, ident: bytes, tid: str, ok: bool, err: str) -> None:
         with self._lock:
             self._acks.append((ident, msgpack.packb({"tid": tid, "ok": ok, "err": err})))
+        if threading.get_ident() == self._owner:
+            self._flush_acks()  # on the socket's own thread: no need to wait for the next poll
 
     def _flush_acks(self) -> None:
         with self._lock:
@@ -151,6 +154,7 @@ class ZmqReceiver(KVReceiver):
                     pass  # the peer is gone; its own timeout reports the failure
 
     def poll(self, timeout_s: float = 0.0) -> list[ReceivedKV]:
+        self._owner = threading.get_ident()
         self._flush_acks()
         out: list[ReceivedKV] = []
         if not self.sock.poll(int(timeout_s * 1000)):
