@@ -84,9 +84,10 @@ class BlockManager:
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         return self._lookup(seq.block_hashes[:max_blocks], seq.token_ids)
 
-    def lookup_by_hash(self, hashes: Seq[int]) -> list[int]:
-        """Leading blocks held for a hash chain (used when a remote peer knows only hashes)."""
-        return self._lookup(hashes, None) if self.enable_prefix_caching else []
+    def lookup(self, hashes: Seq[int], token_ids: Seq[int]) -> list[int]:
+        """Leading cached blocks for a whole hash chain (every full block may hit, unlike
+        `get_computed_blocks`, because an importer computes no token itself)."""
+        return self._lookup(hashes, token_ids) if self.enable_prefix_caching else []
 
     # ---- allocation --------------------------------------------------------------------------
     def _touch(self, bid: int) -> None:

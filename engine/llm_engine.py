@@ -222,7 +222,7 @@ class LLMEngine:
         seq = self._new_seq(request_id, list(prompt_ids), params, prefill_only=False)
         bs = self.bm.block_size
         seq.block_hashes = hash_blocks(seq.token_ids, bs)
-        held = self.bm._lookup(seq.block_hashes, seq.token_ids) if self.bm.enable_prefix_caching else []
+        held = self.bm.lookup(seq.block_hashes, seq.token_ids)
         n_total = self.bm.blocks_needed(max(reserve_tokens or 0, len(seq.token_ids)))
         self.bm.acquire(held)
         new = self.bm.allocate_blocks(n_total - len(held))
