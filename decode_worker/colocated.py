@@ -75,12 +75,7 @@ class ColocatedService(wrpc.ColocatedWorkerServicer):
             self.rt.reserved_blocks -= need
             loop.close_stream(rid)
             if not finished:
-                loop.call(_abort, eng, rid)
-
-
-def _abort(engine: LLMEngine, rid: str) -> None:
-    if rid in engine.seqs:
-        engine.abort_request(rid)
+                loop.call(eng.abort_request, rid)
 
 
 async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: asyncio.Event | None = None,

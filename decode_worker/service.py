@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from decode_worker.kv_import import check_and_land, check_header, land_frame
-from engine import InvalidRequestError, KVReservation, LLMEngine
+from engine import InvalidRequestError, KVReservation
 from pdserve.runtime.convert import params_from_proto, top_to_proto
 from pdserve.runtime.worker_server import WorkerRuntime
 from pdserve.v1 import worker_pb2 as wpb
@@ -27,11 +27,6 @@ class PendingImport:
     reservation: KVReservation
     arrived: asyncio.Future  # resolves to the header's meta dict, or raises TransferError
     attempt: int = 0
-
-
-def _drop(engine: LLMEngine, rid: str) -> None:
-    if rid in engine.seqs:
-        engine.abort_request(rid)
 
 
 class DecodeService(wrpc.DecodeWorkerServicer):
@@ -165,7 +160,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             self.rt.served += 1
             self.rt.reserved_blocks -= reserved
             if not finished:
-                loop.call(_drop, eng, rid)
+                loop.call(eng.abort_request, rid)
 
     def close(self) -> None:
         self._stop.set()

@@ -62,7 +62,7 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     # ---- prefix cache ------------------------------------------------------------------------
-    def _lookup(self, hashes: Seq[int], token_ids: Seq[int] | None) -> list[int]:
+    def _lookup(self, hashes: Seq[int], token_ids: Seq[int]) -> list[int]:
         hit: list[int] = []
         bs = self.block_size
         for i, h in enumerate(hashes):
@@ -70,7 +70,7 @@ class BlockManager:
             if bid is None:
                 break
             # A hash match alone is not trusted: confirm with the token ids.
-            if token_ids is not None and self.blocks[bid].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+            if self.blocks[bid].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             hit.append(bid)
         return hit

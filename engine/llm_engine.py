@@ -12,6 +12,7 @@ import itertools
 import random
 import time
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
@@ -178,7 +179,7 @@ class LLMEngine:
                  ) -> list[dict]:
         """Run prompts to completion; returns dicts with token_ids, text, logprobs, finish_reason."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        ids = [self.add_request(None, p, SamplingParams(**_fields(sp)) if sp else None)
+        ids = [self.add_request(None, p, replace(sp) if sp else None)
                for p, sp in zip(prompts, plist, strict=True)]
         results = {i: {"token_ids": [], "text": "", "logprobs": [], "top_logprobs": [], "finish_reason": None,
                        "num_cached_tokens": 0} for i in ids}
@@ -252,12 +253,6 @@ class LLMEngine:
             return None
         return out
 
-    def cancel_import(self, request_id: str) -> None:
-        """Drop a reservation whose transfer failed; its blocks go back to the free list."""
-        seq = self.seqs.get(request_id)
-        if seq is not None:
-            self._finish(seq, "abort")
-
     def request_timings(self, request_id: str) -> tuple[float, float]:
         """(queue, prefill) seconds of a live request: arrival -> first scheduled -> first token."""
         seq = self.seqs.get(request_id)
@@ -270,7 +265,3 @@ class LLMEngine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_blocks,
                            bm.num_used_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.usage,
                            bm.prefix_queries, bm.prefix_hits, self.num_preemptions)
-
-
-def _fields(p: SamplingParams) -> dict:
-    return {f: getattr(p, f) for f in SamplingParams.__slots__}

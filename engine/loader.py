@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.model import DecoderModel, ModelSpec
-
-log = logging.getLogger(__name__)
 
 SUPPORTED = {
     "LlamaForCausalLM": "llama",

@@ -79,8 +79,6 @@ class RouterCore:
         self.waiting = 0
         self.active: dict[str, RequestState] = {}
         self.targets = {role: cfg.pool(role).replicas for role in cfg.roles}
-        self.finished: list[RequestState] = []  # recent, for observers (metrics, tests)
-        self.counters = {"requests": 0, "finished": 0, "failed": 0, "kv_bytes": 0, "slo_met": 0, "slo_missed": 0}
         self.observers: list = []  # objects with on_token(st, n, now) / on_finish(st, msg) / on_fail(st, err)
         self.http_address = ""
 
@@ -98,7 +96,6 @@ class RouterCore:
         try:
             return self._parse(request, time_remaining)
         except RequestFailed as e:
-            self.counters["failed"] += 1
             for ob in self.observers:
                 ob.on_fail(None, e)
             raise
@@ -200,13 +197,12 @@ class RouterCore:
     async def generate(self, st: RequestState):
         """Yields GenerateResponse messages; raises RequestFailed with a status for the client."""
         self.active[st.request_id] = st
-        self.counters["requests"] += 1
         tried: set[str] = set()
+        attempt_fn = self._attempt_colocated if self.cfg.mode == "colocated" else self._attempt
         try:
             for attempt in range(self.cfg.router.max_retries + 1):
                 st.attempt = attempt
                 retry = False
-                attempt_fn = self._attempt_colocated if self.cfg.mode == "colocated" else self._attempt
                 async for msg in attempt_fn(st, tried):
                     if msg is None:  # the attempt failed before decode streamed anything: retry
                         retry = True
@@ -219,9 +215,7 @@ class RouterCore:
                 log.warning("retrying request", extra={"request_id": st.request_id,
                                                         "reason": st.failure and st.failure.message})
                 st.failure = None
-            self.counters["finished"] += 1
         except RequestFailed as e:
-            self.counters["failed"] += 1
             log.info("request failed", extra={"request_id": st.request_id, "code": e.code.name, "reason": e.message,
                                               "prefill_worker": st.prefill_worker, "decode_worker": st.decode_worker})
             for ob in self.observers:
@@ -231,8 +225,6 @@ class RouterCore:
             self.active.pop(st.request_id, None)
             for call in st.calls:
                 call.cancel()
-            self.finished.append(st)
-            del self.finished[:-1000]
             self.members.notify()
 
     async def _attempt(self, st: RequestState, tried: set[str]):
@@ -300,7 +292,6 @@ class RouterCore:
                             return
                         st.transfer_bytes = result.transfer.bytes
                         st.transfer_s = result.transfer.seconds
-                        self.counters["kv_bytes"] += result.transfer.bytes
                         continue
                 try:
                     msg = await pending_read
@@ -406,7 +397,6 @@ class RouterCore:
             met = (not st.slo.HasField("ttft_ms") or ttft * 1e3 <= st.slo.ttft_ms) and \
                   (not st.slo.HasField("tpot_ms") or tpot * 1e3 <= st.slo.tpot_ms)
         msg.slo_met = met
-        self.counters["slo_met" if met else "slo_missed"] += 1
         for ob in self.observers:
             ob.on_finish(st, msg)
         log.info("request finished", extra={

@@ -38,12 +38,16 @@ class WorkerRecord:
 
     @property
     def free_blocks_estimate(self) -> int:
-        free = self.status.free_blocks if self.status is not None else self.num_blocks
-        return free - self.pending_blocks
+        return self._reported_free - self.pending_blocks
+
+    @property
+    def _reported_free(self) -> int:
+        """Free blocks as of the last heartbeat (all of them before the first)."""
+        return self.status.free_blocks if self.status is not None else self.num_blocks
 
     def observe_free(self, free_blocks: int) -> None:
         """A refused reservation told us the worker's real free count: trust it until the next heartbeat."""
-        self.pending_blocks = max(self.pending_blocks, self.free_blocks_estimate + self.pending_blocks - free_blocks)
+        self.pending_blocks = max(self.pending_blocks, self._reported_free - free_blocks)
 
     @property
     def load(self) -> int:
