@@ -68,7 +68,7 @@ def summarize(results: list, duration: float, slo_ttft_ms: float, slo_tpot_ms: f
 
 
 def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_every: int, slo: tuple) -> list[dict]:
-    from pdserve.config import load_config
+    from pdcommon.config import load_config
     from pdserve.launch.cluster import RayCluster
 
     over = {"model": str(path), "mode": mode, "router.port": 0, "router.http_port": None,

@@ -31,6 +31,26 @@ BLOCK_SHAPE = (8, 2, 16, 4, 64)  # layers, K/V, block_size, kv_heads, head_dim o
 BLOCK_SIZE = 16
 
 
+def make_pool(num_blocks: int, fill: bool):
+    """A KV pool with the 50M model's block geometry, behind the engine's own seam (KVCache)."""
+    import numpy as np
+    import torch
+
+    from engine.kv_cache import KVCache
+    from engine.model_meta import ModelSpec
+
+    layers, _, bs, kv_heads, head_dim = BLOCK_SHAPE
+    spec = ModelSpec("LlamaForCausalLM", 32000, 512, 1408, layers, 8, kv_heads, head_dim, 1e-6, 4096, False)
+    kv = KVCache(spec, num_blocks, bs, "float32", torch.device("cpu"))
+    if fill:
+        rng = np.random.default_rng(0)
+        step = 256
+        for start in range(0, num_blocks, step):
+            ids = list(range(start, min(start + step, num_blocks)))
+            kv.land(ids, rng.standard_normal(len(ids) * kv.layout.block_nbytes // 4, dtype=np.float32).tobytes())
+    return kv
+
+
 def tokens_for(rid: str, n_blocks: int) -> list[int]:
     import random
 
@@ -44,13 +64,12 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int) ->
     import torch
     import zmq
 
-    from decode_worker.kv_import import check_and_land
+    from decode_worker.kv_import import check_header, frame_offset
     from engine import KVReservation
     from engine.hashing import hash_blocks
-    from transfer import make_receiver
+    from transfer import make_receiver, verify
 
     torch.set_num_threads(1)
-    pool = torch.zeros((pool_blocks, *BLOCK_SHAPE))
     if transport == "raw":
         ctx = zmq.Context()
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -63,26 +82,30 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int) ->
                 break
             push.send(parts[0].bytes)
         return
-    from decode_worker.kv_import import check_header, land_frame
-
+    kv = make_pool(pool_blocks, fill=False)
     timings: dict[str, dict] = {}
     reservations: dict[str, KVReservation] = {}
 
     def reservation(h) -> KVReservation:
         if h.request_id not in reservations:
             n = h.num_blocks
-            reservations[h.request_id] = KVReservation(h.request_id, list(range(n)), 0, n,
+            reservations[h.request_id] = KVReservation(h.request_id, kv.layout, list(range(n)), 0, n,
                                                        hash_blocks(tokens_for(h.request_id, n), BLOCK_SIZE))
         return reservations[h.request_id]
+
+    def land(h, index, buf) -> None:  # what LLMEngine.land_kv does, without an engine around it
+        res = reservation(h)
+        off = frame_offset(h, index)
+        kv.land(res.missing_block_ids[off:off + h.frames[index].num_blocks], buf)
 
     class Sink:  # what the decode worker does: check the header, land frames as they arrive
         def open(self, h) -> None:
             timings[h.request_id] = {"check_and_land_s": 0.0}
-            check_header(h, reservation(h), pool)
+            check_header(h, reservation(h))
 
         def frame(self, h, index, buf) -> None:
             t0 = time.perf_counter()
-            land_frame(h, index, buf, reservation(h), pool)
+            land(h, index, buf)
             timings[h.request_id]["check_and_land_s"] += time.perf_counter() - t0
 
     rx = make_receiver(transport, host="127.0.0.1", sink=Sink())
@@ -98,7 +121,10 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int) ->
                     if item.error:
                         raise RuntimeError(item.error)
                     if not item.landed:
-                        check_and_land(h, item.frames, reservation(h), pool)
+                        verify(h, item.frames)
+                        check_header(h, reservation(h))
+                        for i, buf in enumerate(item.frames):
+                            land(h, i, buf)
                     item.ack(True)
                 except Exception as e:
                     item.ack(False, str(e))
@@ -116,7 +142,6 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int) ->
 
 
 def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
-    import torch
     import zmq
 
     from engine import KVExport
@@ -124,9 +149,9 @@ def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
     from prefill_worker.kv_export import pack_export
     from transfer import TransferState, make_sender
 
-    block_nbytes = torch.empty(BLOCK_SHAPE).nbytes
-    max_blocks = max(sizes) * (1 << 20) // block_nbytes
-    pool = torch.randn((max_blocks, *BLOCK_SHAPE))
+    max_blocks = max(sizes) * (1 << 20) // (4 * 8 * 2 * 16 * 4 * 64)
+    kv = make_pool(max_blocks, fill=True)
+    block_nbytes = kv.layout.block_nbytes
     ctx = mp.get_context("spawn")
     addr_q, ctrl_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=receiver_main, args=(transport, addr_q, ctrl_q, result_q, max_blocks), daemon=True)
@@ -142,7 +167,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
         frame_bytes = 16 << 20
         for size in sizes:
             n = size * (1 << 20) // block_nbytes
-            whole = memoryview(pool[:n].reshape(-1).view(torch.uint8).numpy())
+            whole = kv.frames(list(range(n)), 1 << 40)[0][0]
             parts = [whole[i:i + frame_bytes] for i in range(0, whole.nbytes, frame_bytes)]
             best = float("inf")
             # The baseline is the better of one message and one message per 16 MiB frame (ours).
@@ -172,8 +197,9 @@ def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
             rid = f"{transport}-{size}-{r}"
             toks = tokens_for(rid, n)
             t0 = time.perf_counter()
-            exp = KVExport(rid, toks, hash_blocks(toks, BLOCK_SIZE), list(range(n)), [], 0, 0.0)
-            header, frames = pack_export(exp, pool, 16 << 20)
+            frames, counts = kv.frames(list(range(n)), 16 << 20)
+            exp = KVExport(rid, toks, kv.layout, 0, hash_blocks(toks, BLOCK_SIZE), frames, counts, 0, 0.0)
+            header, frames = pack_export(exp, attempt=0)
             t1 = time.perf_counter()
             handle = sender.send(addr, header, frames, timeout_s=120)
             while not handle.done:
@@ -204,8 +230,8 @@ def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
 def ttft_split(quick: bool) -> list[dict]:
     from model_factory import build_bench_model, random_prompt
 
-    from pdserve.client import RouterClient, make_request
-    from pdserve.config import load_config
+    from pdcommon.client import RouterClient, make_request
+    from pdcommon.config import load_config
     from pdserve.launch.inprocess import InProcessCluster
 
     path = build_bench_model()

@@ -1,24 +1,25 @@
-"""Run one decode worker until stopped."""
+"""Run one decode worker (or a colocated one: the same service, prefilling locally) until stopped."""
 
 from __future__ import annotations
 
 import asyncio
 
 from decode_worker.service import DecodeService, add_to_server
-from pdserve.config import ClusterConfig
-from pdserve.runtime.worker_server import WorkerRuntime
+from pdcommon.config import ClusterConfig
+from pdcommon.worker_runtime import WorkerRuntime
 from transfer import make_receiver
 
 
 async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: asyncio.Event | None = None,
-                started: asyncio.Future | None = None) -> None:
-    rt = WorkerRuntime(cfg, "decode", worker_id, router_address)
-    pool = cfg.decode
+                started: asyncio.Future | None = None, role: str = "decode") -> None:
+    rt = WorkerRuntime(cfg, role, worker_id, router_address)
+    pool = cfg.pool(role)
     service = DecodeService(rt)
-    receiver = make_receiver(cfg.transfer.transport, host=pool.host, port=pool.transfer_port,
-                             advertise_host=pool.advertise_host, sink=service)
-    rt.transfer_address = receiver.address
-    service.attach(receiver)
+    if role == "decode":  # colocated workers compute their own KV: nothing arrives
+        receiver = make_receiver(cfg.transfer.transport, host=pool.host, port=pool.transfer_port,
+                                 advertise_host=pool.advertise_host, sink=service)
+        rt.transfer_address = receiver.address
+        service.attach(receiver)
     rt.service = service
     try:
         await rt.run(lambda server: add_to_server(server, service), stop, started)

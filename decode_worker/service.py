@@ -1,5 +1,8 @@
 """The decode worker: reserves blocks for announced requests, lands incoming KV, then runs
-the sequences in its continuous-batching loop and streams their tokens."""
+the sequences in its continuous-batching loop and streams their tokens.
+
+A colocated worker is the same service with `prefill_here` requests (vLLM's kv_both role): it
+computes the prompt itself, so no KV arrives and the first token comes from its own engine."""
 
 from __future__ import annotations
 
@@ -11,13 +14,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode_worker.kv_import import check_and_land, check_header, land_frame
-from engine import InvalidRequestError, KVReservation
-from pdserve.runtime.convert import params_from_proto, top_to_proto
-from pdserve.runtime.worker_server import WorkerRuntime
-from pdserve.v1 import worker_pb2 as wpb
-from pdserve.v1 import worker_pb2_grpc as wrpc
-from transfer import KVHeader, KVReceiver, ReceivedKV, TransferError
+from decode_worker.kv_import import check_header, frame_offset
+from engine import InvalidRequestError, KVReservation, LLMEngine, SamplingParams
+from engine.llm_engine import KVImportError
+from pdcommon.convert import first_token_to_proto, params_from_proto, tokens_to_proto
+from pdcommon.v1 import worker_pb2 as wpb
+from pdcommon.v1 import worker_pb2_grpc as wrpc
+from pdcommon.worker_runtime import WorkerRuntime
+from transfer import KVHeader, KVReceiver, ReceivedKV, TransferError, verify
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +29,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class PendingImport:
     reservation: KVReservation
-    arrived: asyncio.Future  # resolves to the header's meta dict, or raises TransferError
+    arrived: asyncio.Future  # resolves to (header meta, bytes), or raises TransferError
     attempt: int = 0
 
 
@@ -34,9 +38,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         self.rt = rt
         self.receiver: KVReceiver | None = None
         self.pending: dict[str, PendingImport] = {}
-        # Held while a frame is copied into a reservation and while a reservation is withdrawn,
-        # so a cancelled request's blocks are never written after they are handed back.
-        self._land_lock = threading.Lock()
+        self.promised = 0  # blocks promised to requests prefilled here (prompt + max_tokens each)
         self._stop = threading.Event()
         self._aloop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._receive_loop, name="kv-receiver", daemon=True)
@@ -51,7 +53,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         while not self._stop.is_set():
             try:
                 for rx in self.receiver.poll(0.05):
-                    self._land(rx)
+                    self._complete(rx)
             except Exception:
                 log.exception("KV receiver loop error")
 
@@ -65,15 +67,20 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             raise TransferError(f"{rid}: stale transfer of attempt {header.meta.get('attempt')}, expected {p.attempt}")
         return p
 
+    def _land(self, header: KVHeader, index: int, buf: memoryview, res: KVReservation) -> None:
+        try:
+            self.rt.engine.land_kv(res, frame_offset(header, index), buf)
+        except KVImportError as e:
+            raise TransferError(str(e)) from e
+
     # KVSink: a streaming receiver calls these as the header and each frame arrive.
     def open(self, header: KVHeader) -> None:
-        check_header(header, self._pending_for(header).reservation, self.rt.engine.kv.data)
+        check_header(header, self._pending_for(header).reservation)
 
     def frame(self, header: KVHeader, index: int, buf: memoryview) -> None:
-        with self._land_lock:
-            land_frame(header, index, buf, self._pending_for(header).reservation, self.rt.engine.kv.data)
+        self._land(header, index, buf, self._pending_for(header).reservation)
 
-    def _land(self, rx: ReceivedKV) -> None:
+    def _complete(self, rx: ReceivedKV) -> None:
         """A transfer is complete (landed frame by frame already, or delivered whole)."""
         try:
             p = self._pending_for(rx.header)
@@ -84,83 +91,113 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             if rx.error:
                 raise TransferError(rx.error)
             if not rx.landed:
-                with self._land_lock:
-                    self._pending_for(rx.header)  # still reserved?
-                    check_and_land(rx.header, rx.frames, p.reservation, self.rt.engine.kv.data)
+                verify(rx.header, rx.frames)
+                check_header(rx.header, p.reservation)
+                for i, buf in enumerate(rx.frames):
+                    self._land(rx.header, i, buf, p.reservation)
         except TransferError as e:
             rx.ack(False, str(e))
             self._aloop.call_soon_threadsafe(_resolve, p.arrived, e)
             return
         rx.ack(True)
-        self._aloop.call_soon_threadsafe(_resolve, p.arrived, dict(rx.header.meta))
+        self._aloop.call_soon_threadsafe(_resolve, p.arrived, (dict(rx.header.meta), rx.header.total_bytes))
+
+    # ---- admission (engine thread) ---------------------------------------------------------------
+    def _admit_local(self, eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> int:
+        """Blocks promised to a request prefilled here, or 0 when the pool cannot promise them: a
+        promised request is never preempted."""
+        need = eng.bm.blocks_needed(len(prompt) + params.max_tokens)
+        eng.validate(prompt, params)
+        if self.promised + need > eng.bm.num_blocks or not eng.scheduler.has_free_slot:
+            return 0
+        eng.add_request(rid, prompt, params)
+        self.promised += need
+        return need
 
     # ---- the RPC -------------------------------------------------------------------------------
     async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
-        rid = request.request_id
-        prompt = list(request.prompt_token_ids)
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        loop, eng = self.rt.engine_loop, self.rt.engine
         try:
             params = params_from_proto(request.sampling)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        loop, eng = self.rt.engine_loop, self.rt.engine
         if self.rt.state == "draining":
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False))
             return
-        try:
-            res = await loop.call(eng.reserve_import, rid, prompt, params, len(prompt) + params.max_tokens)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        st = loop.stats
-        if res is None:
-            yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False, num_blocks=st.num_blocks,
-                                                                 free_blocks=st.free_blocks))
-            return
-        t0 = time.monotonic()
-        reserved = len(res.block_ids)
-        self.rt.reserved_blocks += reserved
-        self.rt.inflight += 1
+        local = request.prefill_here
         q = loop.open_stream(rid)
-        self.pending[rid] = PendingImport(res, asyncio.get_running_loop().create_future(), request.attempt)
+        try:
+            if local:
+                held, blocks = 0, await loop.call(self._admit_local, eng, rid, prompt, params)
+            else:
+                res = await loop.call(eng.reserve_import, rid, prompt, params, len(prompt) + params.max_tokens)
+                held, blocks = (res.num_held_blocks, len(res.block_ids)) if res is not None else (0, 0)
+        except InvalidRequestError as e:
+            loop.close_stream(rid, q)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not blocks:
+            loop.close_stream(rid, q)
+            yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False, free_blocks=self._free_blocks()))
+            return
+        if not local:
+            self.pending[rid] = PendingImport(res, self._aloop.create_future(), request.attempt)
+        self.rt.reserved_blocks += blocks
+        self.rt.inflight += 1
         finished = False
         try:
-            yield wpb.DecodeResponse(reservation=wpb.Reservation(
-                ok=True, num_held_blocks=res.num_held_blocks, num_blocks=st.num_blocks, free_blocks=st.free_blocks))
-            timeout = request.transfer_timeout_s or self.rt.cfg.transfer.timeout_s
-            try:
-                meta = await asyncio.wait_for(self.pending[rid].arrived, timeout)
-            except TimeoutError:
-                await context.abort(grpc.StatusCode.ABORTED,
-                                    f"KV transfer for {rid} did not arrive within {timeout:.1f}s")
-            except TransferError as e:
-                await context.abort(grpc.StatusCode.DATA_LOSS, f"KV transfer rejected: {e}")
-            self.pending.pop(rid, None)
-            kv_s = time.monotonic() - t0
-            final = await loop.call(eng.commit_import, rid, int(meta["first_token"]), float(meta["first_logprob"]))
-            if final is not None:
-                finished = True
-                yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(finish_reason=final.finish_reason or "stop",
-                                                                 text=final.text_delta, kv_transfer_s=kv_s))
-                return
-            first = True
-            while True:
+            yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=True, num_held_blocks=held,
+                                                                 free_blocks=self._free_blocks()))
+            first = self._first_local(rid, q) if local else self._first_imported(rid, request, context, q)
+            async for msg in first:
+                yield msg
+                finished = msg.HasField("tokens") and bool(msg.tokens.finish_reason) \
+                    or msg.HasField("first") and bool(msg.first.finish_reason)
+            while not finished:
                 out = await q.get()
                 finished = out.finished
-                yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(
-                    token_ids=out.new_token_ids, text=out.text_delta, logprobs=out.new_logprobs,
-                    top_logprobs=top_to_proto(out.new_top_logprobs) if any(out.new_top_logprobs) else [],
-                    finish_reason=out.finish_reason or "", kv_transfer_s=kv_s if first else 0.0))
-                first = False
-                if finished:
-                    break
+                yield wpb.DecodeResponse(tokens=tokens_to_proto(out))
         finally:
-            with self._land_lock:
-                self.pending.pop(rid, None)
-            loop.close_stream(rid)
+            self.pending.pop(rid, None)
+            loop.close_stream(rid, q)
             self.rt.inflight -= 1
             self.rt.served += 1
-            self.rt.reserved_blocks -= reserved
+            self.rt.reserved_blocks -= blocks
+            if local:
+                self.promised -= blocks
             if not finished:
-                loop.call(eng.abort_request, rid)
+                loop.call(eng.abort_request, rid, False)
+
+    async def _first_local(self, rid: str, q: asyncio.Queue):
+        out = await q.get()
+        _, prefill_s = await self.rt.engine_loop.call(self.rt.engine.request_timings, rid)
+        yield wpb.DecodeResponse(first=first_token_to_proto(out, prefill_s))
+
+    async def _first_imported(self, rid: str, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext,
+                              q: asyncio.Queue):
+        """Wait for the KV, commit the sequence; the first message carries the transfer's figures."""
+        t0 = time.monotonic()
+        timeout = request.transfer_timeout_s or self.rt.cfg.transfer.timeout_s
+        try:
+            meta, nbytes = await asyncio.wait_for(self.pending[rid].arrived, timeout)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} did not arrive within {timeout:.1f}s")
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"KV transfer rejected: {e}")
+        self.pending.pop(rid, None)
+        kv = {"kv_transfer_s": time.monotonic() - t0, "kv_transfer_bytes": nbytes}
+        final = await self.rt.engine_loop.call(self.rt.engine.commit_import, rid, int(meta["first_token"]),
+                                               float(meta["first_logprob"]))
+        if final is not None:
+            yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(finish_reason=final.finish_reason or "stop",
+                                                             text=final.text_delta, **kv))
+            return
+        out = await q.get()
+        yield wpb.DecodeResponse(tokens=tokens_to_proto(out, **kv))
+
+    def _free_blocks(self) -> int:
+        st = self.rt.engine_loop.stats
+        return st.num_blocks - self.promised if self.rt.role == "colocated" else st.free_blocks
 
     def close(self) -> None:
         self._stop.set()

@@ -186,10 +186,3 @@ class BlockManager:
         block.token_ids = tuple(token_ids)
         # Keep the first block published under a hash; a duplicate simply stays unshared.
         self.hash_to_block.setdefault(block_hash, bid)
-
-    def reset_prefix_cache(self) -> None:
-        for bid in list(self.hash_to_block.values()):
-            if self.blocks[bid].ref_cnt == 0:
-                self.blocks[bid].block_hash = None
-                self.blocks[bid].token_ids = ()
-        self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_cnt > 0}

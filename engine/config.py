@@ -1,28 +1,33 @@
-"""Engine configuration: one validated dataclass shared by both pools."""
+"""Engine configuration: the one schema for both pools. The cluster YAML's `engine:` section and
+per-pool `engine:` overrides are validated against these fields (see pdcommon.config)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal
 
+DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(slots=True)
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    dtype: DType = "float32"
     device: str = "cpu"
     block_size: int = 16
     # KV pool size: an explicit block count wins, else a byte budget.
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
     max_num_batched_tokens: int = 2048
+    # Sequences in the batch, imported ones still waiting for their KV included.
     max_num_seqs: int = 64
     # Largest prompt chunk one sequence may compute in a step; None = the whole token budget.
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    # torch compute threads; None leaves torch's default (all cores). Workers sharing a host set 1.
     num_threads: int | None = None
     seed: int = 0
 
@@ -41,6 +46,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and int(value) < 1:
                 raise ValueError(f"{name} must be >= 1 when set, got {value}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
 
     @property
     def chunk_size(self) -> int:

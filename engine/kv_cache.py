@@ -1,38 +1,66 @@
 """The KV pool: one allocation laid out block-major, [num_blocks, layers, 2, block_size, kv_heads,
 head_dim]. Each layer sees strided per-layer K and V pools of num_blocks x block_size x kv_heads x
-head_dim; each block (all layers, K and V) is one contiguous buffer, so exporting a block for
-transfer is a zero-copy view and importing one is a single copy."""
+head_dim; each block (all layers, K and V) is one contiguous buffer, so a run of consecutive
+blocks leaves as one zero-copy frame and an arriving frame lands with one copy per block.
+
+This is the only place that turns pool memory into bytes or bytes into pool memory: KV export
+and import go through `frames` and `land`, and nothing outside engine/ touches `data`."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
+
 import torch
 
-from engine.model import ModelSpec
+from engine.model_meta import KVLayout, ModelSpec
+
+
+def block_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
+    """Split block ids into runs of consecutive ids (start, count), each at most max_blocks long."""
+    runs: list[tuple[int, int]] = []
+    for bid in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == bid and runs[-1][1] < max_blocks:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((bid, 1))
+    return runs
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: str, device: torch.device) -> None:
+        from engine.loader import DTYPES
+
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.block_shape = (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
-        self.data = torch.zeros((num_blocks, *self.block_shape), dtype=dtype, device=device)
+        self.layout = KVLayout.of(spec, dtype, block_size)
+        self.data = torch.zeros((num_blocks, *self.layout.block_shape), dtype=DTYPES[dtype], device=device)
         self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(spec.num_layers)]
 
     @staticmethod
-    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
+    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: str) -> int:
+        return KVLayout.of(spec, dtype, block_size).block_nbytes
 
-    @property
-    def block_nbytes(self) -> int:
-        return self.data[0].nbytes
+    def frames(self, block_ids: Sequence[int], max_frame_bytes: int) -> tuple[list[memoryview], list[int]]:
+        """Byte views of the given blocks, one per run of consecutive ids (zero-copy on CPU; a GPU
+        pool is staged through host memory). Valid while the blocks stay allocated."""
+        per_frame = max(1, max_frame_bytes // self.layout.block_nbytes)
+        views, counts = [], []
+        for start, count in block_runs(block_ids, per_frame):
+            t = self.data[start:start + count]
+            if t.device.type != "cpu":
+                t = t.cpu()
+            views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            counts.append(count)
+        return views, counts
 
-    def block(self, block_id: int) -> torch.Tensor:
-        """The contiguous buffer of one block (a view: read it before the block is reused)."""
-        return self.data[block_id]
-
-    def write_block(self, block_id: int, src: torch.Tensor) -> None:
-        if tuple(src.shape) != self.block_shape or src.dtype != self.data.dtype:
-            raise ValueError(f"block buffer of shape {tuple(src.shape)}/{src.dtype} does not fit "
-                             f"{self.block_shape}/{self.data.dtype}")
-        self.data[block_id].copy_(src)
+    def land(self, block_ids: Sequence[int], buf: memoryview | bytes) -> None:
+        """Copy a frame holding len(block_ids) whole blocks into those blocks."""
+        n = len(block_ids)
+        if memoryview(buf).nbytes != n * self.layout.block_nbytes:
+            raise ValueError(f"frame of {memoryview(buf).nbytes} bytes does not hold {n} blocks of "
+                             f"{self.layout.block_nbytes}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only receive buffers: only read from here
+            src = torch.frombuffer(buf, dtype=torch.uint8).view(self.data.dtype).view(n, *self.layout.block_shape)
+        for j, bid in enumerate(block_ids):
+            self.data[bid].copy_(src[j])

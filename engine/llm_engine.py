@@ -1,9 +1,15 @@
 """LLMEngine: requests in, streamed token outputs out, one scheduler step at a time.
 
-Also the seam used by the transfer layer: a prefill-only request stops after its first
-token with its blocks held for `export_kv`; an importing engine reserves blocks
-(`reserve_import`), has them written (`write_block`), then `commit_import`s the sequence
-into its decode batch.
+Also the one KV seam of the cluster: a prefill-only request stops after its first token with
+its blocks held; `export_kv` hands out its blocks as zero-copy byte frames. An importing engine
+reserves blocks (`reserve_import`), lands arriving frames in them (`land_kv`), then
+`commit_import`s the sequence into its decode batch.
+
+Threading rule: one thread (the worker's engine thread) calls every method here, except
+`land_kv`, which a receiver thread may call at any time. That is safe because `land_kv` writes
+only the missing blocks of an open reservation, which no running sequence reads and no step
+touches, under the reservation's lock; commit and abort close the reservation under the same
+lock before those blocks join the batch or go back to the free list.
 """
 
 from __future__ import annotations
@@ -21,12 +27,17 @@ from engine.config import EngineConfig
 from engine.detokenizer import TextStream
 from engine.hashing import hash_blocks
 from engine.kv_cache import KVCache
-from engine.loader import DTYPES, load_model
+from engine.loader import load_model
+from engine.model_meta import KVLayout
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, KVExport, KVReservation, RequestOutput
 from engine.sampling_params import InvalidRequestError, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
+
+
+class KVImportError(RuntimeError):
+    """KV that cannot land: its reservation is gone or the frame does not fit it."""
 
 
 class LLMEngine:
@@ -40,20 +51,19 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
-        dtype = DTYPES[config.dtype]
-        per_block = KVCache.bytes_per_block(self.spec, config.block_size, dtype)
+        per_block = KVCache.bytes_per_block(self.spec, config.block_size, config.dtype)
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
                              f"({per_block} bytes each)")
-        self.kv = KVCache(self.spec, num_blocks, config.block_size, dtype, self.device)
+        self.kv = KVCache(self.spec, num_blocks, config.block_size, config.dtype, self.device)
         self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.bm)
         self.runner = ModelRunner(self.model, self.kv, self.device)
-        self.runner.seed(config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
         self._pending: list[RequestOutput] = []
+        self._reservations: dict[str, KVReservation] = {}
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.num_preemptions = 0
@@ -105,12 +115,15 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.request_id
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, notify: bool = True) -> bool:
+        """Free the request. notify=False emits no final "abort" output: for a caller that has
+        stopped listening, whose request id a new request may already be reusing."""
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
         self._finish(seq, "abort")
-        self._pending.append(self._output(seq, [], [], ""))
+        if notify:
+            self._pending.append(self._output(seq, [], [], ""))
         return True
 
     def has_unfinished(self) -> bool:
@@ -118,6 +131,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str | None, stop_reason: str | int | None = None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._close_reservation(seq.request_id)
         if seq.status is not SequenceStatus.PREFILLED:
             self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -196,16 +210,24 @@ class LLMEngine:
         return [results[i] for i in ids]
 
     # ---- KV export / import ------------------------------------------------------------------
-    def export_kv(self, request_id: str, skip_blocks: int = 0) -> KVExport:
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.kv.layout
+
+    def export_kv(self, request_id: str, skip_blocks: int = 0, max_frame_bytes: int = 16 << 20) -> KVExport:
+        """The prefilled request's KV from block `skip_blocks` on, as frames over its pool blocks;
+        they stay valid until `release(request_id)`."""
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV to export")
         prompt = seq.token_ids[:seq.num_prompt_tokens]
-        hashes = hash_blocks(prompt, self.bm.block_size, seq.block_hashes[:len(prompt) // self.bm.block_size])
+        bs = self.bm.block_size
+        hashes = hash_blocks(prompt, bs, seq.block_hashes[:len(prompt) // bs])
         n_blocks = self.bm.blocks_needed(len(prompt))
-        ids = seq.block_table[skip_blocks:n_blocks]
-        return KVExport(request_id, prompt, hashes, ids, [self.kv.block(b) for b in ids],
-                        seq.token_ids[seq.num_prompt_tokens], seq.output_logprobs[0], skip_blocks)
+        frames, counts = self.kv.frames(seq.block_table[skip_blocks:n_blocks], max_frame_bytes)
+        shipped = [hashes[i] if i < len(hashes) else None for i in range(skip_blocks, n_blocks)]
+        return KVExport(request_id, prompt, self.kv.layout, skip_blocks, shipped, frames, counts,
+                        seq.token_ids[seq.num_prompt_tokens], seq.output_logprobs[0])
 
     def release(self, request_id: str) -> None:
         """Drop a prefilled request once its KV has been shipped; its blocks stay in the prefix cache."""
@@ -215,11 +237,14 @@ class LLMEngine:
 
     def reserve_import(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
                        reserve_tokens: int | None = None) -> KVReservation | None:
-        """Set aside blocks for an incoming prefilled sequence; None when the pool is too full.
+        """Set aside blocks and a batch slot for an incoming prefilled sequence; None when the pool
+        or the batch (max_num_seqs) is full.
 
         Leading blocks already cached here (same hash chain, same tokens) are shared, not resent.
         `reserve_tokens` allocates room for growth up front (prompt + max_tokens) so the
         sequence can never be preempted once admitted."""
+        if not self.scheduler.has_free_slot:
+            return None
         seq = self._new_seq(request_id, list(prompt_ids), params, prefill_only=False)
         bs = self.bm.block_size
         seq.block_hashes = hash_blocks(seq.token_ids, bs)
@@ -235,23 +260,42 @@ class LLMEngine:
         seq.block_table = held + new
         seq.num_cached_tokens = len(held) * bs
         seq.num_registered_blocks = len(held)
-        return KVReservation(request_id, list(seq.block_table), len(held), self.bm.blocks_needed(len(seq.token_ids)),
-                             list(seq.block_hashes))
+        self.scheduler.add_awaiting(seq)
+        res = KVReservation(request_id, self.kv.layout, list(seq.block_table), len(held),
+                            self.bm.blocks_needed(len(seq.token_ids)), list(seq.block_hashes))
+        self._reservations[request_id] = res
+        return res
 
-    def write_block(self, block_id: int, buffer: torch.Tensor) -> None:
-        self.kv.write_block(block_id, buffer)
+    def land_kv(self, res: KVReservation, offset: int, buf: memoryview | bytes) -> None:
+        """Copy one frame into the reservation's missing blocks, starting `offset` blocks in.
+        Callable from any thread (see the module's threading rule); raises KVImportError when
+        the reservation was committed, aborted or the frame does not fit."""
+        n = memoryview(buf).nbytes // res.layout.block_nbytes
+        with res.lock:
+            if not res.open:
+                raise KVImportError(f"{res.request_id}: reservation is closed (cancelled or already committed)")
+            dst = res.missing_block_ids[offset:offset + n]
+            if offset < 0 or len(dst) != n or n * res.layout.block_nbytes != memoryview(buf).nbytes:
+                raise KVImportError(f"{res.request_id}: frame of {memoryview(buf).nbytes} bytes at block {offset} "
+                                    f"does not fit the {len(res.missing_block_ids)} missing blocks")
+            self.kv.land(dst, buf)
+
+    def _close_reservation(self, request_id: str) -> None:
+        res = self._reservations.pop(request_id, None)
+        if res is not None:
+            with res.lock:  # waits for a frame being landed right now
+                res.open = False
 
     def commit_import(self, request_id: str, first_token: int, first_logprob: float) -> RequestOutput | None:
         """All blocks landed and passed their checks: the sequence joins the decode batch.
         Returns a final output if the first token already ends the request."""
         seq = self.seqs[request_id]
+        self._close_reservation(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.bm.cache_full_blocks(seq)
+        self.scheduler.activate(seq)
         out = self._append_token(seq, first_token, first_logprob)
-        if not out.finished:
-            self.scheduler.add_running(seq)
-            return None
-        return out
+        return out if out.finished else None
 
     def request_timings(self, request_id: str) -> tuple[float, float]:
         """(queue, prefill) seconds of a live request: arrival -> first scheduled -> first token."""

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.model import DecoderModel, ModelSpec
+from engine.model import DecoderModel
+from engine.model_meta import (
+    ModelLoadError,
+    ModelSpec,
+    eos_ids,
+    load_tokenizer,
+    model_spec,
+    read_json,
+    resolve_model_path,
+)
 
-SUPPORTED = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """The checkpoint cannot be served; the message says which file or field is the problem."""
 
 
 @dataclass(slots=True)
@@ -30,24 +28,6 @@ class LoadedModel:
     tokenizer: object
     eos_token_ids: list[int]
     path: Path
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise ModelLoadError(f"missing {path.name} in model folder {path.parent}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"corrupt {path.name} in {path.parent}: {e}") from e
-
-
-def resolve_model_path(model: str) -> Path:
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ModelLoadError(
-            f"model folder {model!r} not found; point EngineConfig.model (or --model / the YAML "
-            f"'model' key) at a local Hugging Face folder with config.json and *.safetensors")
-    return path
 
 
 def check_device_dtype(device: str, dtype: str) -> torch.device:
@@ -63,39 +43,6 @@ def check_device_dtype(device: str, dtype: str) -> torch.device:
     except (RuntimeError, KeyError) as e:
         raise ModelLoadError(f"dtype {dtype} cannot run matrix products on device {device}: {e}") from e
     return dev
-
-
-def model_spec(cfg: dict, path: Path) -> ModelSpec:
-    archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED), None)
-    if arch is None:
-        raise ModelLoadError(f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}; "
-                             f"supported: {', '.join(SUPPORTED)}")
-    family = SUPPORTED[arch]
-    try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        window = cfg.get("sliding_window") if family == "mistral" or cfg.get("use_sliding_window") else None
-        return ModelSpec(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_bias=family in ("llama", "qwen3") and bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
-            sliding_window=int(window) if window else None,
-            hidden_act=str(cfg.get("hidden_act", "silu")),
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"config.json in {path} lacks required field {e.args[0]!r}") from e
 
 
 def rope_inv_freq(path: Path, spec: ModelSpec) -> tuple[torch.Tensor, float]:
@@ -166,33 +113,10 @@ def _fused_weights(state: dict[str, torch.Tensor], spec: ModelSpec, path: Path) 
     return out
 
 
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ModelLoadError(f"no tokenizer (tokenizer.json / tokenizer.model / vocab.json) in {path}")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises many types for a broken tokenizer
-        raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
-
-
-def eos_ids(path: Path, cfg: dict, tokenizer) -> list[int]:
-    ids: list[int] = []
-    gen = path / "generation_config.json"
-    sources = [_read_json(gen).get("eos_token_id")] if gen.exists() else []
-    sources += [cfg.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)]
-    for src in sources:
-        for t in src if isinstance(src, list) else [src]:
-            if isinstance(t, int) and t not in ids:
-                ids.append(t)
-    return ids
-
-
 def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     path = resolve_model_path(model)
     dev = check_device_dtype(device, dtype)
-    cfg = _read_json(path / "config.json")
+    cfg = read_json(path / "config.json")
     spec = model_spec(cfg, path)
     tokenizer = load_tokenizer(path)
     inv_freq, attn_scale = rope_inv_freq(path, spec)

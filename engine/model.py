@@ -7,34 +7,12 @@ gate+up) so each layer issues four GEMMs. The engine owns the KV cache and atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-
-
-@dataclass(slots=True)
-class ModelSpec:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool = False
-    o_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    sliding_window: int | None = None
-    hidden_act: str = "silu"
+from engine.model_meta import ModelSpec
 
 
 class RMSNorm(nn.Module):

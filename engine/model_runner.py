@@ -30,7 +30,6 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.sliding_window = model.spec.sliding_window
-        self._generator = torch.Generator(device=device)
 
     def _metadata(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -101,13 +100,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         generators: list[torch.Generator | None] = []
         for seq in sampled:
-            if seq.params.greedy or seq.params.seed is None:
-                generators.append(None if seq.params.greedy else self._generator)
+            if seq.params.greedy:
+                generators.append(None)
                 continue
+            # The engine gives every sampled request a seed (LLMEngine._new_seq).
             g = torch.Generator(device=self.device)
             g.manual_seed(token_seed(seq.params.seed, seq.num_output_tokens))
             generators.append(g)
         return (sampled, *sample(logits, [s.params for s in sampled], generators))
-
-    def seed(self, seed: int) -> None:
-        self._generator.manual_seed(seed)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
-import torch
+from engine.model_meta import KVLayout
 
 
 @dataclass(slots=True)
@@ -26,27 +27,38 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class KVExport:
-    """A prefilled sequence's KV as per-block contiguous buffers (views into the pool)."""
+    """A prefilled sequence's KV, ready to ship: zero-copy byte frames over its pool blocks
+    (valid until the engine releases the request) and what the receiver needs to check them."""
 
     request_id: str
     token_ids: list[int]  # prompt tokens whose KV the blocks hold
-    block_hashes: list[int]  # hash chain of the full blocks
-    block_ids: list[int]
-    buffers: list[torch.Tensor]  # one contiguous [layers, 2, block_size, kv_heads, head_dim] each
+    layout: KVLayout
+    first_block: int  # index in the block table of the first shipped block (the receiver holds those before)
+    block_hashes: list[int | None]  # one per shipped block; None for a trailing partial block
+    frames: list[memoryview]
+    blocks_per_frame: list[int]
     first_token: int
     first_logprob: float
-    skipped_blocks: int = 0  # leading blocks left out because the receiver already holds them
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_hashes)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class KVReservation:
-    """Blocks an importing engine set aside for one incoming sequence."""
+    """Blocks an importing engine set aside for one incoming sequence. While `open`, frames may
+    land in its missing blocks from any thread (LLMEngine.land_kv); commit and abort close it
+    under `lock` before the blocks change hands."""
 
     request_id: str
+    layout: KVLayout
     block_ids: list[int]  # the whole block table, room to grow included
     num_held_blocks: int  # leading blocks already present (prefix hits), not to be written
     num_prompt_blocks: int  # blocks the prompt's KV fills
     block_hashes: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    open: bool = True
 
     @property
     def missing_block_ids(self) -> list[int]:

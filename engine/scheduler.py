@@ -33,10 +33,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
     def __bool__(self) -> bool:
         return bool(self.scheduled)
 
@@ -47,13 +43,21 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.awaiting: dict[str, Sequence] = {}  # imported, KV still arriving: not stepped, but counted
+
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose blocks are already in place (imported KV) joins the batch directly."""
+    def add_awaiting(self, seq: Sequence) -> None:
+        """An imported sequence whose KV is on its way: it holds a batch slot but is not stepped."""
+        seq.status = SequenceStatus.AWAITING_KV
+        self.awaiting[seq.request_id] = seq
+
+    def activate(self, seq: Sequence) -> None:
+        """Its KV has landed: the sequence joins the decode batch."""
+        del self.awaiting[seq.request_id]
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
@@ -62,9 +66,21 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        else:
+            self.awaiting.pop(seq.request_id, None)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding a batch slot (running or awaiting their KV)."""
+        return len(self.running) + len(self.awaiting)
+
+    @property
+    def has_free_slot(self) -> bool:
+        return self.num_seqs < self.config.max_num_seqs
 
     @property
     def num_unfinished(self) -> int:
+        """Sequences a step can advance (awaiting ones cannot until their KV lands)."""
         return len(self.waiting) + len(self.running)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -97,8 +113,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         preempted_now = bool(out.preempted)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
-                and not preempted_now:
+        while self.waiting and budget > 0 and self.has_free_slot and not preempted_now:
             seq = self.waiting[0]
             computed = self.bm.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
             cached = len(computed) * self.bm.block_size

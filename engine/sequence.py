@@ -14,6 +14,8 @@ class SequenceStatus(Enum):
     RUNNING = "running"
     # Prefill-only request whose first token is out; its blocks wait to be exported.
     PREFILLED = "prefilled"
+    # Imported sequence: blocks reserved, KV still on the wire; counts against max_num_seqs.
+    AWAITING_KV = "awaiting_kv"
     FINISHED = "finished"
 
 
@@ -45,10 +47,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:

@@ -1,1 +1,1 @@
-"""pdserve: CLI, launchers and the generated public API (pdserve.v1)."""
+"""pdserve: the top floor. The `pdserve` CLI, the launchers (Ray, in-process) and the load generator."""

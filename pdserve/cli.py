@@ -14,9 +14,11 @@ DEMO_PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little
 
 
 def _config(args: argparse.Namespace):
-    from pdserve.config import load_config
+    from pdcommon.config import load_config
 
-    overrides = {"model": getattr(args, "model", None)}
+    overrides = {}
+    if getattr(args, "model", None):
+        overrides["model"] = args.model
     if getattr(args, "transport", None):
         overrides["transfer.transport"] = args.transport
     if getattr(args, "port", None) is not None:
@@ -25,11 +27,13 @@ def _config(args: argparse.Namespace):
         overrides["router.http_port"] = args.http_port
     if getattr(args, "ray_address", None):
         overrides["ray.address"] = args.ray_address
+    from pydantic import ValidationError
+
     try:
         cfg = load_config(args.config, **overrides)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValidationError) as e:
         raise SystemExit(f"error: {e}") from e
-    from engine.loader import ModelLoadError, resolve_model_path
+    from engine.model_meta import ModelLoadError, resolve_model_path
 
     try:
         resolve_model_path(cfg.model)
@@ -72,7 +76,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.client import RouterClient, fields, make_request
+    from pdcommon.client import RouterClient, fields, make_request
 
     req = make_request(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                        top_p=args.top_p, top_k=args.top_k, stop=args.stop or None)
@@ -101,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from pdserve.client import RouterClient
+    from pdcommon.client import RouterClient
 
     with RouterClient(args.router) as client:
         st = client.status()
@@ -154,7 +158,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_scale(args: argparse.Namespace) -> int:
     import grpc
 
-    from pdserve.client import RouterClient
+    from pdcommon.client import RouterClient
 
     try:
         with RouterClient(args.router) as client:
@@ -213,7 +217,7 @@ def _cmd_worker(args: argparse.Namespace, role: str) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start a local cluster, stream a few prompts through it, print answers and timings."""
-    from pdserve.client import RouterClient, make_request
+    from pdcommon.client import RouterClient, make_request
     from pdserve.launch.cluster import RayCluster
 
     cfg = _config(args)
@@ -325,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from pdserve.runtime.logs import setup_logging
+    from pdcommon.logs import setup_logging
 
     setup_logging()
     return args.func(args)

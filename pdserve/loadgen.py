@@ -78,19 +78,19 @@ class GrpcBackend:
     def __init__(self, address: str) -> None:
         import grpc
 
-        from pdserve.v1 import router_pb2_grpc as rrpc
+        from pdcommon.v1 import router_pb2_grpc as rrpc
 
         self.channel = grpc.aio.insecure_channel(address.removeprefix("grpc://"))
         self.stub = rrpc.RouterStub(self.channel)
 
     async def info(self) -> tuple[int, int]:
-        from pdserve.v1 import router_pb2 as pb
+        from pdcommon.v1 import router_pb2 as pb
 
         st = await self.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
         return st.vocab_size, st.max_model_len
 
     async def run(self, prompt: list[int], max_tokens: int, res: Result) -> None:
-        from pdserve.client import make_request
+        from pdcommon.client import make_request
 
         t0 = time.perf_counter()
         last = t0

@@ -1,4 +1,4 @@
-"""Compile proto/pdserve/v1/*.proto into pdserve/v1/ with grpc_tools, or check that the
+"""Compile proto/pdcommon/v1/*.proto into pdcommon/v1/ with grpc_tools, or check that the
 committed generated files are current (`--check`, run by CI)."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-OUT = ROOT / "pdserve" / "v1"
+OUT = ROOT / "pdcommon" / "v1"
 
 
 def generate(out_root: Path) -> list[Path]:
     from grpc_tools import protoc
 
-    protos = sorted(PROTO_ROOT.glob("pdserve/v1/*.proto"))
+    protos = sorted(PROTO_ROOT.glob("pdcommon/v1/*.proto"))
     if not protos:
         return []
     import grpc_tools
@@ -27,12 +27,12 @@ def generate(out_root: Path) -> list[Path]:
             f"--grpc_python_out={out_root}", *(str(p.relative_to(PROTO_ROOT)) for p in protos)]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    return sorted((out_root / "pdserve" / "v1").glob("*_pb2*.py*"))
+    return sorted((out_root / "pdcommon" / "v1").glob("*_pb2*.py*"))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--check", action="store_true", help="fail if pdserve/v1 is stale")
+    ap.add_argument("--check", action="store_true", help="fail if pdcommon/v1 is stale")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         files = generate(Path(tmp))

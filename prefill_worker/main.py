@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.config import ClusterConfig
-from pdserve.runtime.worker_server import WorkerRuntime
+from pdcommon.config import ClusterConfig
+from pdcommon.worker_runtime import WorkerRuntime
 from prefill_worker.service import PrefillService, add_to_server
 from transfer import make_sender
 

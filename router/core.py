@@ -1,5 +1,10 @@
-"""The request path: admission on a decode worker, prefill, first token to the client at once,
-KV transfer prefill -> decode, then the decode stream relayed to the client."""
+"""The request path: admit (a reservation on a decode worker) -> prefill (first token to the
+client at once; the prefill worker ships the KV) -> relay (the decode stream to the client).
+
+The decode stream is the one report of the KV transfer: it fails with DATA_LOSS or ABORTED when
+the KV is rejected or never arrives. Such a failure, or a worker lost before any decode token
+was relayed, raises RetryAttempt, and `_attempts` runs the path again (on another decode worker
+when there is one) until `router.max_retries` is spent."""
 
 from __future__ import annotations
 
@@ -9,63 +14,24 @@ import math
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import grpc
 
-from engine import InvalidRequestError, SamplingParams
+from engine import InvalidRequestError, KVLayout, ModelInfo
 from engine.hashing import hash_blocks
-from pdserve.config import ClusterConfig
-from pdserve.runtime.convert import params_from_proto, params_to_proto
-from pdserve.v1 import router_pb2 as pb
-from pdserve.v1 import worker_pb2 as wpb
+from pdcommon.config import ClusterConfig
+from pdcommon.convert import params_from_proto, params_to_proto
+from pdcommon.v1 import router_pb2 as pb
+from pdcommon.v1 import worker_pb2 as wpb
+from router.admission import Admission, Lease
 from router.launcher import Launcher
 from router.membership import Membership, WorkerRecord
-from router.model_info import ModelInfo
 from router.policy import make_policy
+from router.request import RequestFailed, RequestState, RetryAttempt
 
 log = logging.getLogger(__name__)
 PREFIX_BLOCKS = 64  # leading blocks tracked for prefix-aware routing
-
-
-class RequestFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-@dataclass(slots=True)
-class RequestState:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    deadline: float
-    arrival: float
-    slo: pb.SloTargets | None = None
-    prefix: list[int] = field(default_factory=list)
-    failure: RequestFailed | None = None
-    calls: list = field(default_factory=list)  # open worker calls, cancelled on failure
-    first_sent: float | None = None
-    last_token: float | None = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    transfer_s: float = 0.0
-    transfer_bytes: int = 0
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    attempt: int = 0
-
-    def fail(self, code: grpc.StatusCode, message: str) -> None:
-        if self.failure is None:
-            self.failure = RequestFailed(code, message)
-        for call in self.calls:
-            call.cancel()
-
-    @property
-    def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED)
 
 
 class RouterCore:
@@ -76,19 +42,39 @@ class RouterCore:
         self.policy = make_policy(cfg.router.routing)
         self.launcher = launcher
         self.block_size = cfg.engine.block_size
-        self.waiting = 0
+        self.colocated = cfg.mode == "colocated"
+        self.admission = Admission(self.members, self.policy, "colocated" if self.colocated else "decode",
+                                   self.block_size, cfg.router.queue_size, cfg.transfer.timeout_s)
+        # What each pool's KV blocks must look like: checked when a worker registers.
+        self.layouts = {role: KVLayout.of(self.model.spec, cfg.engine_config(role).dtype, self.block_size)
+                        for role in cfg.roles}
         self.active: dict[str, RequestState] = {}
         self.targets = {role: cfg.pool(role).replicas for role in cfg.roles}
-        self.observers: list = []  # objects with on_token(st, n, now) / on_finish(st, msg) / on_fail(st, err)
+        # Objects with on_token(st, n, now) / on_finish(st, msg) / on_fail(st, err) / on_abort(st).
+        self.observers: list = []
         self.http_address = ""
 
     @property
-    def admission_role(self) -> str:
-        """The pool whose workers hold a request's KV for its whole life."""
-        return "colocated" if self.cfg.mode == "colocated" else "decode"
+    def waiting(self) -> int:
+        return self.admission.waiting
 
     def ready(self) -> bool:
         return all(self.members.active(role) for role in self.cfg.roles)
+
+    def check_worker(self, info: wpb.WorkerInfo) -> str | None:
+        """Why a registering worker cannot join this cluster, or None."""
+        if info.role not in self.cfg.roles:
+            return f"role {info.role!r} does not serve this {self.cfg.mode} cluster"
+        if info.model_fingerprint != self.model.fingerprint:
+            return (f"worker serves model {info.model!r} (fingerprint {info.model_fingerprint[:12] or 'none'}), "
+                    f"the router serves {self.model.name!r} ({self.model.fingerprint[:12]}): config.json or "
+                    f"tokenizer differ")
+        want = self.layouts[info.role]
+        got = (info.kv_layout.dtype, tuple(info.kv_layout.block_shape))
+        if got != (want.dtype, want.block_shape):
+            return (f"KV layout {got[0]}{list(got[1])} differs from the {want.dtype}{list(want.block_shape)} "
+                    f"this cluster's {info.role} pool uses (dtype, [layers, 2, block_size, kv_heads, head_dim])")
+        return None
 
     # ---- input ---------------------------------------------------------------------------------
     def parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
@@ -100,22 +86,22 @@ class RouterCore:
                 ob.on_fail(None, e)
             raise
 
-    def _parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which is None:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "request has no prompt: set text or token_ids")
-        if which == "text":
-            if not request.text:
-                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
-            prompt = self.model.encode(request.text)
-        else:
-            prompt = list(request.token_ids.ids)
-            if not prompt:
-                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
-            bad = next((t for t in prompt if t >= self.model.vocab_size), None)
-            if bad is not None:
-                raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"prompt token id {bad} is outside the vocabulary [0, {self.model.vocab_size})")
+        prompt = self.model.encode(request.text) if which == "text" and request.text else \
+            list(request.token_ids.ids) if which == "token_ids" else []
+        if not prompt:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        bad = next((t for t in prompt if t >= self.model.vocab_size), None)
+        if bad is not None:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt token id {bad} is outside the vocabulary [0, {self.model.vocab_size})")
+        return prompt
+
+    def _parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
+        prompt = self._prompt(request)
         try:
             params = params_from_proto(request.sampling)
         except InvalidRequestError as e:
@@ -137,222 +123,151 @@ class RouterCore:
         st.prefix = hash_blocks(prompt, self.block_size)[:PREFIX_BLOCKS]
         return st
 
-    # ---- admission -----------------------------------------------------------------------------
-    async def _reserve(self, st: RequestState, exclude: set[str]) -> tuple[WorkerRecord, object, wpb.Reservation]:
-        """Open a decode stream on a worker with room. Waits in the bounded queue until one has
-        room or the deadline passes; a decode worker is never asked for more than it has."""
-        need = -(-(len(st.prompt) + st.params.max_tokens) // self.block_size)
-        queued = False
-        try:
-            while True:
-                role = self.admission_role
-                ranked = self.policy.rank_decode(self.members.active(role), st.prefix, need)
-                # After a failed attempt, other workers first; the same one only as a last resort.
-                ranked = [w for w in ranked if w.worker_id not in exclude] + \
-                         [w for w in ranked if w.worker_id in exclude]
-                for w in ranked:
-                    method = w.stub.Generate if role == "colocated" else w.stub.Decode
-                    call = method(wpb.DecodeRequest(
-                        request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
-                        transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt),
-                        timeout=max(st.remaining, 0.001))
-                    # Count the request against the worker now, so concurrent admissions spread out.
-                    w.inflight[st.request_id] = st.fail
-                    try:
-                        first = await call.read()
-                    except grpc.aio.AioRpcError as e:
-                        w.inflight.pop(st.request_id, None)
-                        if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                            raise RequestFailed(e.code(), e.details()) from e
-                        if e.code() == grpc.StatusCode.UNAVAILABLE:
-                            self.members.drop(w.worker_id, f"unreachable ({e.details()})")
-                        continue
-                    if first is grpc.aio.EOF or not first.reservation.ok:
-                        w.inflight.pop(st.request_id, None)
-                        if first is not grpc.aio.EOF:
-                            w.observe_free(first.reservation.free_blocks)
-                        call.cancel()
-                        continue
-                    w.pending_blocks += need - first.reservation.num_held_blocks
-                    return w, call, first.reservation
-                if not queued:
-                    if self.waiting >= self.cfg.router.queue_size:
-                        raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                            f"router queue full ({self.waiting} waiting); retry later")
-                    queued = True
-                    self.waiting += 1
-                if st.remaining <= 0:
-                    raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                        f"no decode worker had room for {need} KV blocks before the deadline")
-                self.members.changed.clear()
-                try:
-                    await asyncio.wait_for(self.members.changed.wait(), min(st.remaining, 1.0))
-                except TimeoutError:
-                    pass
-        finally:
-            if queued:
-                self.waiting -= 1
-
     # ---- the request path ----------------------------------------------------------------------
     async def generate(self, st: RequestState):
         """Yields GenerateResponse messages; raises RequestFailed with a status for the client."""
         self.active[st.request_id] = st
-        tried: set[str] = set()
-        attempt_fn = self._attempt_colocated if self.cfg.mode == "colocated" else self._attempt
         try:
-            for attempt in range(self.cfg.router.max_retries + 1):
-                st.attempt = attempt
-                retry = False
-                async for msg in attempt_fn(st, tried):
-                    if msg is None:  # the attempt failed before decode streamed anything: retry
-                        retry = True
-                        break
-                    yield msg
-                if not retry:
-                    break
-                if attempt == self.cfg.router.max_retries:
-                    raise st.failure or RequestFailed(grpc.StatusCode.UNAVAILABLE, "request failed")
-                log.warning("retrying request", extra={"request_id": st.request_id,
-                                                        "reason": st.failure and st.failure.message})
-                st.failure = None
+            async for msg in self._attempts(st):
+                yield msg
         except RequestFailed as e:
             log.info("request failed", extra={"request_id": st.request_id, "code": e.code.name, "reason": e.message,
                                               "prefill_worker": st.prefill_worker, "decode_worker": st.decode_worker})
             for ob in self.observers:
                 ob.on_fail(st, e)
             raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away or cancelled
+            for ob in self.observers:
+                ob.on_abort(st)
+            raise
         finally:
             self.active.pop(st.request_id, None)
-            for call in st.calls:
-                call.cancel()
             self.members.notify()
 
-    async def _attempt(self, st: RequestState, tried: set[str]):
-        t_adm = time.monotonic()
-        dw, dcall, res = await self._reserve(st, tried)
-        st.calls = [dcall]
+    async def _attempts(self, st: RequestState):
+        while True:
+            try:
+                async for msg in self._attempt(st):
+                    yield msg
+                return
+            except RetryAttempt as e:
+                if st.attempt >= self.cfg.router.max_retries:
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE, e.message) from e
+                log.warning("retrying request", extra={"request_id": st.request_id, "reason": e.message})
+                st.avoid.add(e.avoid)
+                st.attempt += 1
+                st.failure = None
+
+    async def _attempt(self, st: RequestState):
+        """admit -> prefill -> relay, once."""
+        lease = await self.admission.admit(st)
+        st.calls = [lease.call]
+        st.decode_worker = lease.worker.worker_id
+        try:
+            first = await (self._first_local(st, lease) if self.colocated else self._prefill(st, lease))
+            if first is not None:
+                yield first
+                if first.finish_reason:
+                    return
+            async for msg in self._relay(st, lease):
+                yield msg
+        finally:
+            lease.release(st)
+            for call in st.calls:
+                call.cancel()
+            st.calls = []
+            lease.worker.served += 1
+
+    async def _prefill(self, st: RequestState, lease: Lease) -> pb.GenerateResponse | None:
+        """The first token from a prefill worker, which then ships the KV to the lease's worker."""
         pw = self.policy.pick_prefill(self.members.active("prefill"), st.prefix)
         if pw is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+        st.prefill_worker = pw.worker_id
+        self.policy.record(st.prefix, pw.worker_id, lease.worker.worker_id)
         pw.inflight[st.request_id] = st.fail
-        st.prefill_worker, st.decode_worker = pw.worker_id, dw.worker_id
-        self.policy.record(st.prefix, pw.worker_id, dw.worker_id)
-        transfer: asyncio.Future | None = None
-        pending_read: asyncio.Future | None = None
         try:
-            pcall = pw.stub.Prefill(wpb.PrefillRequest(
+            call = pw.stub.Prefill(wpb.PrefillRequest(
                 request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
-                decode_transfer_address=dw.transfer_address, skip_blocks=res.num_held_blocks,
-                transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt),
-                timeout=max(st.remaining, 0.001))
-            st.calls.append(pcall)
-            first = await self._read(st, pcall, pw)
-            if first is grpc.aio.EOF:
-                raise RequestFailed(grpc.StatusCode.INTERNAL, f"prefill worker {pw.worker_id} closed the stream")
-            ft = first.first
-            st.cached_tokens, st.prefill_s = ft.cached_tokens, ft.prefill_s
-            st.queue_s = (time.monotonic() - t_adm - ft.prefill_s) if st.first_sent is None else st.queue_s
-            if st.first_sent is None:
-                st.first_sent = st.last_token = time.monotonic()
-                st.completion_tokens = 1
-                msg = pb.GenerateResponse(request_id=st.request_id, token_ids=[ft.token_id], text=ft.text,
-                                          logprobs=[ft.logprob], prefill_worker=pw.worker_id,
-                                          decode_worker=dw.worker_id)
-                if ft.HasField("top_logprobs"):
-                    msg.top_logprobs.append(ft.top_logprobs)
-                if ft.finish_reason:
-                    yield self._finish(msg, st, ft.finish_reason)
-                    return
-                yield msg
-            elif ft.finish_reason:
-                yield self._finish(pb.GenerateResponse(request_id=st.request_id), st, ft.finish_reason)
-                return
-            # The transfer outcome (prefill side) and the decode stream race: watch both.
-            transfer = asyncio.ensure_future(self._read(st, pcall, pw))
-            streamed = False
-            while True:
-                if pending_read is None:
-                    pending_read = asyncio.ensure_future(self._read(st, dcall, dw))
-                if transfer is not None:
-                    done, _ = await asyncio.wait({transfer, pending_read}, return_when=asyncio.FIRST_COMPLETED)
-                    if transfer in done:
-                        try:
-                            result = transfer.result()
-                        except RequestFailed:  # the decode side failed first and cancelled the prefill call
-                            result = None
-                        transfer = None
-                        if result is None or result is grpc.aio.EOF or not result.transfer.ok:
-                            if result is None:
-                                err = st.failure.message if st.failure else "prefill call failed"
-                            else:
-                                err = "prefill stream ended" if result is grpc.aio.EOF else result.transfer.error
-                            st.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {dw.worker_id} failed: {err}")
-                            tried.add(dw.worker_id)
-                            yield None
-                            return
-                        st.transfer_bytes = result.transfer.bytes
-                        st.transfer_s = result.transfer.seconds
-                        continue
-                try:
-                    msg = await pending_read
-                except RequestFailed:
-                    if not streamed and st.failure is not None and st.failure.code != grpc.StatusCode.CANCELLED:
-                        tried.add(dw.worker_id)
-                        yield None
-                        return
-                    raise
-                pending_read = None
-                if msg is grpc.aio.EOF:
-                    raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {dw.worker_id} ended the stream "
-                                                                  "without a finish reason")
-                tok = msg.tokens
-                streamed = True
-                self._tokens(st, len(tok.token_ids))
-                out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
-                                          logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
-                if tok.finish_reason:
-                    yield self._finish(out, st, tok.finish_reason)
-                    return
-                yield out
+                decode_transfer_address=lease.worker.transfer_address, skip_blocks=lease.reservation.num_held_blocks,
+                transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt), timeout=max(st.remaining, 0.001))
+            st.calls.append(call)  # stays open while the KV ships; cancelled with the attempt
+            msg = await self._read(st, call, pw)
         finally:
-            for fut in (transfer, pending_read):
-                if fut is not None:
-                    _discard(fut)
-            dw.inflight.pop(st.request_id, None)
             pw.inflight.pop(st.request_id, None)
-            dw.served += 1
             pw.served += 1
+        if msg is grpc.aio.EOF:
+            raise RetryAttempt(f"prefill worker {pw.worker_id} closed the stream before the first token")
+        return self._first_token(st, msg.first)
 
-    async def _attempt_colocated(self, st: RequestState, tried: set[str]):
-        """Colocated mode: one worker computes both phases; the stream is relayed as it comes."""
-        t_adm = time.monotonic()
-        w, call, _ = await self._reserve(st, tried)
-        st.calls = [call]
-        st.prefill_worker = st.decode_worker = w.worker_id
-        self.policy.record(st.prefix, w.worker_id, w.worker_id)
+    async def _first_local(self, st: RequestState, lease: Lease) -> pb.GenerateResponse | None:
+        """Colocated: the worker holding the lease computes the first token itself."""
+        st.prefill_worker = lease.worker.worker_id
+        self.policy.record(st.prefix, lease.worker.worker_id, lease.worker.worker_id)
+        msg = await self._read(st, lease.call, lease.worker)
+        if msg is grpc.aio.EOF or not msg.HasField("first"):
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"worker {lease.worker.worker_id} sent no first token")
+        return self._first_token(st, msg.first)
+
+    def _first_token(self, st: RequestState, ft: wpb.FirstToken) -> pb.GenerateResponse | None:
+        st.cached_tokens, st.prefill_s = ft.cached_tokens, ft.prefill_s
+        if st.first_sent is not None:  # a retry: the client has this token already
+            return self._finish(pb.GenerateResponse(request_id=st.request_id), st, ft.finish_reason) \
+                if ft.finish_reason else None
+        now = time.monotonic()
+        st.queue_s = max(now - st.arrival - ft.prefill_s, 0.0)
+        st.first_sent = st.last_token = now
+        st.completion_tokens = 1
+        msg = pb.GenerateResponse(request_id=st.request_id, token_ids=[ft.token_id], text=ft.text,
+                                  logprobs=[ft.logprob], prefill_worker=st.prefill_worker,
+                                  decode_worker=st.decode_worker)
+        if ft.HasField("top_logprobs"):
+            msg.top_logprobs.append(ft.top_logprobs)
+        return self._finish(msg, st, ft.finish_reason) if ft.finish_reason else msg
+
+    async def _relay(self, st: RequestState, lease: Lease):
+        while True:
+            msg = await self._read(st, lease.call, lease.worker)
+            if msg is grpc.aio.EOF:
+                raise RequestFailed(grpc.StatusCode.INTERNAL,
+                                    f"decode worker {lease.worker.worker_id} ended the stream without a finish reason")
+            tok = msg.tokens
+            if tok.kv_transfer_bytes:
+                st.transfer_s, st.transfer_bytes = tok.kv_transfer_s, tok.kv_transfer_bytes
+            self._tokens(st, len(tok.token_ids))
+            st.relayed += 1
+            out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
+                                      logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
+            if tok.finish_reason:
+                yield self._finish(out, st, tok.finish_reason)
+                return
+            yield out
+
+    async def _read(self, st: RequestState, call, worker: WorkerRecord):
+        """One message from a worker call; a failure becomes RetryAttempt or RequestFailed."""
         try:
-            while True:
-                msg = await self._read(st, call, w)
-                if msg is grpc.aio.EOF:
-                    raise RequestFailed(grpc.StatusCode.INTERNAL, f"worker {w.worker_id} ended the stream early")
-                tok = msg.tokens
-                if st.first_sent is None:
-                    st.first_sent = st.last_token = time.monotonic()
-                    st.completion_tokens = len(tok.token_ids)
-                    st.cached_tokens, st.prefill_s = tok.cached_tokens, tok.prefill_s
-                    st.queue_s = max(st.first_sent - t_adm - tok.prefill_s, 0.0)
-                else:
-                    self._tokens(st, len(tok.token_ids))
-                out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
-                                          logprobs=tok.logprobs, top_logprobs=tok.top_logprobs,
-                                          prefill_worker=w.worker_id, decode_worker=w.worker_id)
-                if tok.finish_reason:
-                    yield self._finish(out, st, tok.finish_reason)
-                    return
-                yield out
-        finally:
-            w.inflight.pop(st.request_id, None)
-            w.served += 1
+            return await call.read()
+        except asyncio.CancelledError:
+            if st.failure is None:
+                raise  # our own task was cancelled (client gone): not a worker failure
+            raise self._failed(st, st.failure.code, st.failure.message) from None
+        except grpc.aio.AioRpcError as e:
+            if st.failure is not None:
+                raise self._failed(st, st.failure.code, st.failure.message) from None
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.members.drop(worker.worker_id, f"failed mid-request ({e.details()})")
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and st.remaining <= 0:
+                raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded") from None
+            transfer = e.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED)
+            what = "KV transfer to" if transfer else f"{worker.role} worker"
+            raise self._failed(st, e.code(), f"{what} {worker.worker_id} failed: {e.details()}") from None
+
+    @staticmethod
+    def _failed(st: RequestState, code: grpc.StatusCode, message: str) -> Exception:
+        """Retry what another attempt may fix, as long as the client has seen no decode token."""
+        if code in _RETRYABLE and st.relayed == 0:
+            return RetryAttempt(message, avoid=st.decode_worker)
+        return RequestFailed(grpc.StatusCode.UNAVAILABLE if code in _RETRYABLE else code, message)
 
     def _tokens(self, st: RequestState, n: int) -> None:
         now = time.monotonic()
@@ -360,26 +275,6 @@ class RouterCore:
             ob.on_token(st, n, now)
         st.completion_tokens += n
         st.last_token = now
-
-    async def _read(self, st: RequestState, call, worker: WorkerRecord):
-        try:
-            return await call.read()
-        except asyncio.CancelledError:
-            if st.failure is not None:
-                raise st.failure from None
-            raise
-        except grpc.aio.AioRpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE,):
-                self.members.drop(worker.worker_id, f"failed mid-request ({e.details()})")
-                st.fail(grpc.StatusCode.UNAVAILABLE, f"{worker.role} worker {worker.worker_id} failed: {e.details()}")
-            elif e.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED):
-                # The decode worker rejected or never got the KV: a transfer failure, retryable.
-                st.fail(grpc.StatusCode.UNAVAILABLE, f"KV transfer to {worker.worker_id} failed: {e.details()}")
-            elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and st.remaining <= 0:
-                st.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded")
-            else:
-                st.fail(e.code(), f"{worker.role} worker {worker.worker_id}: {e.details()}")
-            raise st.failure from None
 
     def _finish(self, msg: pb.GenerateResponse, st: RequestState, reason: str) -> pb.GenerateResponse:
         now = time.monotonic()
@@ -389,14 +284,10 @@ class RouterCore:
                                     completion_tokens=st.completion_tokens, kv_transfer_bytes=st.transfer_bytes))
         ttft = (st.first_sent or now) - st.arrival
         tpot = (now - st.first_sent) / (st.completion_tokens - 1) if st.first_sent and st.completion_tokens > 1 else 0.0
-        msg.timings.CopyFrom(pb.Timings(queue=max(st.queue_s, 0.0), prefill=st.prefill_s, kv_transfer=st.transfer_s,
+        msg.timings.CopyFrom(pb.Timings(queue=st.queue_s, prefill=st.prefill_s, kv_transfer=st.transfer_s,
                                         ttft=ttft, tpot=tpot, e2e=now - st.arrival))
         msg.prefill_worker, msg.decode_worker = st.prefill_worker, st.decode_worker
-        met = True
-        if st.slo is not None:
-            met = (not st.slo.HasField("ttft_ms") or ttft * 1e3 <= st.slo.ttft_ms) and \
-                  (not st.slo.HasField("tpot_ms") or tpot * 1e3 <= st.slo.tpot_ms)
-        msg.slo_met = met
+        msg.slo_met = slo_met(st.slo, ttft, tpot) is not False
         for ob in self.observers:
             ob.on_finish(st, msg)
         log.info("request finished", extra={
@@ -407,9 +298,9 @@ class RouterCore:
         return msg
 
 
-def _discard(fut: asyncio.Future) -> None:
-    """Drop a helper future: cancel it if pending and consume its outcome, so a failure that
-    nobody awaits is not reported as an unretrieved task exception."""
-    if not fut.done():
-        fut.cancel()
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+def slo_met(slo: pb.SloTargets | None, ttft: float, tpot: float) -> bool | None:
+    """None when the request carried no SLO target."""
+    if slo is None or not (slo.HasField("ttft_ms") or slo.HasField("tpot_ms")):
+        return None
+    return (not slo.HasField("ttft_ms") or ttft * 1e3 <= slo.ttft_ms) and \
+           (not slo.HasField("tpot_ms") or tpot * 1e3 <= slo.tpot_ms)

@@ -11,13 +11,15 @@ import time
 import uuid
 
 import grpc
-from aiohttp import web
+from aiohttp import ClientConnectionResetError, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve.client import make_request
-from pdserve.v1 import router_pb2 as pb
-from router.core import RequestFailed, RouterCore
+from pdcommon.client import make_request
+from pdcommon.v1 import router_pb2 as pb
+from router.core import RouterCore
 from router.metrics import RouterMetrics
+from router.request import RequestFailed
+from router.token_text import text_offsets, token_texts
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ class OpenAIApi:
         self.created = int(time.time())
         app = web.Application(client_max_size=64 << 20, middlewares=[_errors])
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/metrics", self.prometheus)
@@ -69,11 +74,54 @@ class OpenAIApi:
         self.app = app
 
     # ---- plain endpoints -----------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
+    def _card(self) -> dict:
         m = self.core.model
-        return web.json_response({"object": "list", "data": [{
-            "id": m.name, "object": "model", "created": self.created, "owned_by": "pdserve", "root": m.path,
-            "max_model_len": m.max_model_len, "vocab_size": m.vocab_size}]})
+        return {"id": m.name, "object": "model", "created": self.created, "owned_by": "pdserve", "root": m.path,
+                "max_model_len": m.max_model_len, "vocab_size": m.vocab_size}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        try:
+            self._check_model({"model": request.match_info["model_id"]})
+        except ApiError as e:
+            return e.response(rid)
+        return web.json_response(self._card())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's shape: {prompt | messages, add_special_tokens} -> {count, max_model_len, tokens}."""
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        try:
+            body = await self._json(request)
+            self._check_model(body)
+            if "messages" in body:
+                ids = self._chat_ids(body, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise ApiError(400, "'prompt' must be a string", param="prompt")
+                special = _opt(body, "add_special_tokens", (bool,), True)
+                ids = list(self.core.model.tokenizer(prompt, add_special_tokens=special).input_ids)
+        except ApiError as e:
+            return e.response(rid)
+        return web.json_response({"count": len(ids), "max_model_len": self.core.model.max_model_len, "tokens": ids,
+                                  "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        try:
+            body = await self._json(request)
+            self._check_model(body)
+            tokens = body.get("tokens")
+            vocab = self.core.model.vocab_size
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       and 0 <= t < vocab for t in tokens):
+                raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        except ApiError as e:
+            return e.response(rid)
+        return web.json_response({"prompt": self.core.model.tokenizer.decode(tokens)})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -144,24 +192,26 @@ class OpenAIApi:
         try:
             body = await self._json(request)
             model = self._check_model(body)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and "role" in m for m in messages):
-                raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
-            tok = self.core.model.tokenizer
-            if not getattr(tok, "chat_template", None):
-                raise ApiError(400, f"model '{model}' has no chat template; use /v1/completions with a plain prompt",
-                               param="messages", code="no_chat_template")
-            try:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            except Exception as e:
-                raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from e
-            # The template writes any special tokens itself.
-            ids = list(tok(text, add_special_tokens=False).input_ids)
-            req = self._request(body, ids, rid)
+            req = self._request(body, self._chat_ids(body), rid)
             return await self._run(request, body, req, rid, model, chat=True)
         except ApiError as e:
             return e.response(rid)
+
+    def _chat_ids(self, body: dict, add_generation_prompt: bool = True) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m for m in messages):
+            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+        tok = self.core.model.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, f"model '{self.core.model.name}' has no chat template; use /v1/completions with a "
+                           "plain prompt", param="messages", code="no_chat_template")
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as e:
+            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        # The template writes any special tokens itself.
+        return list(tok(text, add_special_tokens=False).input_ids)
 
     def _usage(self, msg: pb.GenerateResponse) -> dict:
         u = msg.usage
@@ -169,17 +219,21 @@ class OpenAIApi:
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
-    def _logprobs(self, msg: pb.GenerateResponse, chat: bool) -> dict | None:
+    def _logprobs(self, msg: pb.GenerateResponse, chat: bool, offset: int) -> tuple[dict | None, int]:
+        """Logprobs of one message (tokens as text), and the text offset after it."""
         if not msg.top_logprobs:
-            return None
-        dec = self.core.model.tokenizer.convert_ids_to_tokens
-        toks = dec(list(msg.token_ids))
+            return None, offset
+        tok = self.core.model.tokenizer
+        texts = token_texts(tok, list(msg.token_ids))
+        tops = [dict(zip(token_texts(tok, list(t.logprobs)), t.logprobs.values(), strict=True))
+                for t in msg.top_logprobs]
         if chat:
-            return {"content": [{"token": t, "logprob": lp, "top_logprobs": [
-                {"token": dec(k), "logprob": v} for k, v in top.logprobs.items()]}
-                for t, lp, top in zip(toks, msg.logprobs, msg.top_logprobs, strict=False)]}
-        return {"tokens": toks, "token_logprobs": list(msg.logprobs),
-                "top_logprobs": [{dec(k): v for k, v in top.logprobs.items()} for top in msg.top_logprobs]}
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [
+                {"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in top.items()]}
+                for t, lp, top in zip(texts, msg.logprobs, tops, strict=False)]}, offset
+        offsets, offset = text_offsets(texts, offset)
+        return {"tokens": texts, "token_logprobs": list(msg.logprobs), "top_logprobs": tops,
+                "text_offset": offsets}, offset
 
     async def _run(self, request: web.Request, body: dict, req: pb.GenerateRequest, rid: str, model: str,
                    chat: bool) -> web.StreamResponse:
@@ -188,52 +242,65 @@ class OpenAIApi:
         except RequestFailed as e:
             raise ApiError.from_failed(e) from e
         created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         gen = self.core.generate(st)
-        if not stream:
-            text, finish, last, lps = "", None, None, []
-            try:
-                async for msg in gen:
-                    text += msg.text
-                    lp = self._logprobs(msg, chat)
-                    if lp:
-                        lps.append(lp)
-                    if msg.finish_reason:
-                        finish, last = msg.finish_reason, msg
-            except RequestFailed as e:
-                raise ApiError.from_failed(e) from e
-            choice = {"index": 0, "finish_reason": finish, "logprobs": _merge(lps, chat)}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            return web.json_response({"id": rid, "object": obj, "created": created, "model": model,
-                                      "choices": [choice], "usage": self._usage(last)},
-                                     headers={"X-Request-Id": rid})
+        ctx = {"id": rid, "created": created, "model": model, "chat": chat}
+        try:
+            if not body.get("stream"):
+                return await self._collect(gen, ctx)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, gen, ctx, include_usage)
+        except (ConnectionResetError, ClientConnectionResetError):
+            log.info("client disconnected", extra={"request_id": rid})
+            return web.Response(status=499)  # nobody reads it; aiohttp needs a return value
+        finally:
+            await gen.aclose()  # a client gone mid-request frees both workers now, not at GC
+
+    async def _collect(self, gen, ctx: dict) -> web.Response:
+        chat = ctx["chat"]
+        text, finish, last, lps, offset = "", None, None, [], 0
+        try:
+            async for msg in gen:
+                text += msg.text
+                lp, offset = self._logprobs(msg, chat, offset)
+                if lp:
+                    lps.append(lp)
+                if msg.finish_reason:
+                    finish, last = msg.finish_reason, msg
+        except RequestFailed as e:
+            raise ApiError.from_failed(e) from e
+        choice = {"index": 0, "finish_reason": finish, "logprobs": _merge(lps, chat)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return web.json_response({"id": ctx["id"], "object": "chat.completion" if chat else "text_completion",
+                                  "created": ctx["created"], "model": ctx["model"], "choices": [choice],
+                                  "usage": self._usage(last)}, headers={"X-Request-Id": ctx["id"]})
+
+    async def _stream(self, request: web.Request, gen, ctx: dict, include_usage: bool) -> web.StreamResponse:
+        chat = ctx["chat"]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": rid})
-        first = True
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+                                           "X-Request-Id": ctx["id"]})
+        first, offset = True, 0
+        head = {"id": ctx["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": ctx["created"], "model": ctx["model"]}
         try:
             async for msg in gen:
                 if first:
                     await resp.prepare(request)
-                choice: dict = {"index": 0, "finish_reason": msg.finish_reason or None,
-                                "logprobs": self._logprobs(msg, chat)}
+                lp, offset = self._logprobs(msg, chat, offset)
+                choice: dict = {"index": 0, "finish_reason": msg.finish_reason or None, "logprobs": lp}
                 if chat:
                     choice["delta"] = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
                 else:
                     choice["text"] = msg.text
                 first = False
-                event = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [choice]}
+                event = {**head, "choices": [choice]}
                 if include_usage:
                     event["usage"] = None
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
                 if msg.finish_reason and include_usage:
-                    usage = {"id": rid, "object": chunk_obj, "created": created, "model": model, "choices": [],
-                             "usage": self._usage(msg)}
+                    usage = {**head, "choices": [], "usage": self._usage(msg)}
                     await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         except RequestFailed as e:
             if first:  # nothing sent yet: a proper HTTP error
@@ -264,4 +331,4 @@ def _merge(parts: list[dict], chat: bool) -> dict | None:
         return None
     if chat:
         return {"content": [c for p in parts for c in p["content"]]}
-    return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs")}
+    return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

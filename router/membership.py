@@ -11,9 +11,9 @@ from typing import Any
 
 import grpc
 
-from pdserve.v1 import router_pb2 as pb
-from pdserve.v1 import worker_pb2 as wpb
-from pdserve.v1 import worker_pb2_grpc as wrpc
+from pdcommon.v1 import router_pb2 as pb
+from pdcommon.v1 import worker_pb2 as wpb
+from pdcommon.v1 import worker_pb2_grpc as wrpc
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,22 @@ class Membership:
     def notify(self) -> None:
         self.changed.set()
 
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Until capacity changes (a worker joins, leaves or reports) or timeout_s passes."""
+        self.changed.clear()
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
     def register(self, info: wpb.WorkerInfo) -> WorkerRecord:
         old = self.workers.pop(info.worker_id, None)
         if old is not None:
             self._fail_inflight(old, "re-registered")
             asyncio.ensure_future(old.channel.close())
         channel = grpc.aio.insecure_channel(info.address)
-        stub = {"prefill": wrpc.PrefillWorkerStub, "decode": wrpc.DecodeWorkerStub,
-                "colocated": wrpc.ColocatedWorkerStub}[info.role](channel)
+        # A colocated worker is a decode worker that also prefills: same service.
+        stub = (wrpc.PrefillWorkerStub if info.role == "prefill" else wrpc.DecodeWorkerStub)(channel)
         rec = WorkerRecord(info.worker_id, info.role, info.address, info.transfer_address, info.num_blocks,
                            info.block_size, channel, stub)
         self.workers[info.worker_id] = rec

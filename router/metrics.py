@@ -8,7 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from router.core import RequestFailed, RequestState, RouterCore
+from router.core import RouterCore, slo_met
+from router.request import RequestFailed, RequestState
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0)
@@ -79,8 +80,8 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
         self.success = Counter("pdserve:request_success", "Finished requests", ["finished_reason"], registry=r)
         self.failure = Counter("pdserve:request_failure", "Failed requests", ["code"], registry=r)
-        self.slo = Counter("pdserve:request_slo", "Finished requests that met or missed their TTFT/TPOT SLO",
-                           ["outcome"], registry=r)
+        self.slo = Counter("pdserve:request_slo", "Finished requests that met or missed their TTFT/TPOT SLO "
+                           "(none: the request carried no SLO)", ["outcome"], registry=r)
         r.register(_ClusterCollector(core))
         core.observers.append(self)
 
@@ -101,7 +102,12 @@ class RouterMetrics:
         self.prompt_tokens.inc(len(st.prompt))
         self.generation_tokens.inc(st.completion_tokens)
         self.success.labels(msg.finish_reason).inc()
-        self.slo.labels("met" if msg.slo_met else "missed").inc()
+        met = slo_met(st.slo, t.ttft, t.tpot)
+        self.slo.labels("none" if met is None else "met" if met else "missed").inc()
+
+    def on_abort(self, st: RequestState) -> None:
+        """The client cancelled or disconnected: counted as vLLM does, finished_reason="abort"."""
+        self.success.labels("abort").inc()
 
     def on_fail(self, st: RequestState | None, err: RequestFailed) -> None:
         self.failure.labels(err.code.name).inc()

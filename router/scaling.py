@@ -8,7 +8,8 @@ import logging
 
 import grpc
 
-from router.core import RequestFailed, RouterCore
+from router.core import RouterCore
+from router.request import RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +63,7 @@ class Scaler:
                 return
             if not rec.inflight:
                 break
-            members.changed.clear()
-            try:
-                await asyncio.wait_for(members.changed.wait(), 0.5)
-            except TimeoutError:
-                pass
+            await members.wait_changed(0.5)
         members.drop(worker_id, "drained")
         try:
             await self.core.launcher.remove_worker(worker_id)

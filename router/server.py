@@ -7,9 +7,9 @@ import logging
 
 import grpc
 
-from pdserve.config import ClusterConfig
-from pdserve.v1 import router_pb2_grpc as rrpc
-from pdserve.v1 import worker_pb2_grpc as wrpc
+from pdcommon.config import ClusterConfig
+from pdcommon.v1 import router_pb2_grpc as rrpc
+from pdcommon.v1 import worker_pb2_grpc as wrpc
 from router.core import RouterCore
 from router.launcher import Launcher
 from router.metrics import RouterMetrics
@@ -52,7 +52,9 @@ class RouterServer:
         from router.http_api import OpenAIApi
 
         api = OpenAIApi(self.core, self.metrics)
-        self._http = web.AppRunner(api.app, access_log=None)
+        # handler_cancellation: a client that disconnects cancels its handler, so a non-streaming
+        # request stops generating too (aiohttp leaves handlers running by default).
+        self._http = web.AppRunner(api.app, access_log=None, handler_cancellation=True)
         await self._http.setup()
         site = web.TCPSite(self._http, host, port)
         await site.start()
@@ -68,11 +70,7 @@ class RouterServer:
             if loop.time() > end:
                 have = {role: len(members.active(role)) for role in counts}
                 raise TimeoutError(f"workers did not register within {timeout_s:.0f}s: have {have}, want {counts}")
-            members.changed.clear()
-            try:
-                await asyncio.wait_for(members.changed.wait(), 0.5)
-            except TimeoutError:
-                pass
+            await members.wait_changed(0.5)
 
     async def stop(self) -> None:
         if self._reaper:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
 
-from pdserve.v1 import router_pb2 as pb
-from pdserve.v1 import router_pb2_grpc as rrpc
-from pdserve.v1 import worker_pb2 as wpb
-from pdserve.v1 import worker_pb2_grpc as wrpc
-from router.core import RequestFailed, RouterCore
+from pdcommon.v1 import router_pb2 as pb
+from pdcommon.v1 import router_pb2_grpc as rrpc
+from pdcommon.v1 import worker_pb2 as wpb
+from pdcommon.v1 import worker_pb2_grpc as wrpc
+from router.core import RouterCore
+from router.request import RequestFailed
 from router.scaling import Scaler
+
+log = logging.getLogger(__name__)
 
 
 class RouterService(rrpc.RouterServicer):
@@ -65,12 +69,10 @@ class ControlService(wrpc.ControlServicer):
         self.core = core
 
     async def Register(self, request: wpb.WorkerInfo, context) -> wpb.RegisterReply:
-        if request.role not in self.core.cfg.roles:
-            return wpb.RegisterReply(accepted=False, message=f"role {request.role!r} does not serve this "
-                                                             f"{self.core.cfg.mode} cluster")
-        if request.block_size != self.core.block_size:
-            return wpb.RegisterReply(accepted=False, message=f"block_size {request.block_size} differs from the "
-                                                             f"router's {self.core.block_size}")
+        why = self.core.check_worker(request)
+        if why is not None:
+            log.warning("refused worker", extra={"worker_id": request.worker_id, "reason": why})
+            return wpb.RegisterReply(accepted=False, message=why)
         self.core.members.register(request)
         return wpb.RegisterReply(accepted=True)
 

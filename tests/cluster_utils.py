@@ -5,16 +5,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pdserve.client import RouterClient
-from pdserve.config import ClusterConfig, load_config
+from pdcommon.client import RouterClient
+from pdcommon.config import ClusterConfig, load_config
 from pdserve.launch.inprocess import InProcessCluster
 
 __all__ = ["InProcessCluster", "cluster_config", "make_config", "wait_pools_empty"]
 
 
 def make_config(model: str, **overrides) -> ClusterConfig:
-    base = {"model": model, "router.port": 0, "router.http_port": 0, "router.host": "127.0.0.2",
-            "prefill.host": "127.0.0.3", "decode.host": "127.0.0.4", "colocated.host": "127.0.0.3",
+    base = {"model": model, "router.port": 0, "router.http_port": 0, "router.host": "127.0.0.1",
+            "prefill.host": "127.0.0.1", "decode.host": "127.0.0.1", "colocated.host": "127.0.0.1",
             "heartbeat.interval_s": 0.3, "engine.num_threads": 1}
     base.update(overrides)
     return load_config(None, **base)

@@ -3,6 +3,7 @@ families (built with transformers itself), and transformers' greedy reference ou
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -59,6 +60,23 @@ def random_models(tmp_path_factory) -> dict[str, str]:
         "qwen3": make_random_model("qwen3", base / "qwen3", seed=2),
         "mistral": make_random_model("mistral", base / "mistral", seed=3, sliding_window=48),
     }
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory, stories_path) -> str:
+    """stories260K plus a chat template, so /v1/chat/completions has something to apply."""
+    dst = tmp_path_factory.mktemp("chat") / "stories-chat"
+    shutil.copytree(stories_path, dst)
+    cfg_path = dst / "tokenizer_config.json"
+    cfg_path.chmod(0o644)
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return str(dst)
 
 
 _HF_CACHE: dict[str, object] = {}

@@ -98,15 +98,27 @@ def test_missing_model_names_the_fix():
     assert r.returncode != 0 and "not found" in r.stderr and "--model" in r.stderr
 
 
-def test_standalone_components_across_addresses(stories_path, tmp_path):
-    """`pdserve router|prefill|decode` as Kubernetes runs them: separate processes, each bound to
-    its own address, workers registering and heartbeating to the router."""
-    rport = free_port("127.0.0.2")
+def _torch_loaded(pid: int) -> bool:
+    """From outside the process: is any libtorch library mapped into it?"""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def _http(url: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_standalone_components_and_a_torch_free_router(chat_model, tmp_path):
+    """`pdserve router|prefill|decode` as Kubernetes runs them: separate processes on their own
+    ports, workers registering and heartbeating to the router. The router serves a completion
+    and a chat request without ever loading torch."""
+    rport, hport = free_port("127.0.0.1"), free_port("127.0.0.1")
     cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
-    cfg.update(model=stories_path, heartbeat={"interval_s": 0.5})
-    cfg["router"].update(host="127.0.0.2", port=rport, http_port=0)
-    cfg["prefill"].update(host="127.0.0.3")
-    cfg["decode"].update(host="127.0.0.4")
+    cfg.update(model=chat_model, heartbeat={"interval_s": 0.5})
+    cfg["router"].update(host="127.0.0.1", port=rport, http_port=hport)
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -114,10 +126,10 @@ def test_standalone_components_across_addresses(stories_path, tmp_path):
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name in ("router", "prefill", "decode")}
     try:
-        assert "127.0.0.2" in wait_line(procs["router"], "router serving on")
-        assert "127.0.0.3" in wait_line(procs["prefill"], "serving on")
-        assert "127.0.0.4" in wait_line(procs["decode"], "serving on")
-        addr = f"127.0.0.2:{rport}"
+        assert f"127.0.0.1:{rport}" in wait_line(procs["router"], "router serving on")
+        wait_line(procs["prefill"], "serving on")
+        wait_line(procs["decode"], "serving on")
+        addr = f"127.0.0.1:{rport}"
         end = time.monotonic() + 60
         while "decode-" not in run_cli("status", "--router", addr).stdout or \
                 "prefill-" not in run_cli("status", "--router", addr).stdout:
@@ -125,9 +137,17 @@ def test_standalone_components_across_addresses(stories_path, tmp_path):
             time.sleep(0.5)
         r = run_cli("generate", "--router", addr, "--max-tokens", "12", "--json", "Once upon a time")
         final = json.loads(r.stdout.splitlines()[-1])
-        assert final["token_ids"] == hf_greedy(stories_path, [1, 403, 407, 261, 378], 12)["token_ids"]
+        assert final["token_ids"] == hf_greedy(chat_model, [1, 403, 407, 261, 378], 12)["token_ids"]
         r = run_cli("scale", "--router", addr, "--pool", "decode", "--replicas", "2")
         assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stderr
+        base = f"http://127.0.0.1:{hport}/v1"
+        done = _http(base + "/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})
+        assert done["choices"][0]["text"] and done["usage"]["completion_tokens"] == 12
+        chat = _http(base + "/chat/completions", {"messages": [{"role": "user", "content": "Tell me a story"}],
+                                                  "max_tokens": 8, "temperature": 0})
+        assert chat["choices"][0]["message"]["content"] and chat["usage"]["completion_tokens"] == 8
+        assert not _torch_loaded(procs["router"].pid), "the router process loaded torch"
+        assert _torch_loaded(procs["decode"].pid)  # the probe does see torch where it is loaded
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -153,6 +173,7 @@ def test_up_joins_an_existing_ray_cluster():
     tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths must fit AF_UNIX limits
     head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                              "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                             f"--ray-client-server-port={free_port('127.0.0.1')}",
                              "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdserve.client import RouterClient, make_request
+from pdcommon.client import RouterClient, make_request
 from pdserve.launch.cluster import RayCluster
 from tests.cluster_utils import HEARTBEAT, cluster_config, wait_pools_empty
 from tests.conftest import hf_greedy

@@ -78,14 +78,25 @@ def test_tiny_pool_preempts_and_recomputes(stories_path, story_ids, story_refs):
     assert eng.stats().used_blocks == 0
 
 
+def ship(src: LLMEngine, dst: LLMEngine, rid: str, res, max_frame_bytes: int = 16 << 20):
+    """Export from src and land every frame in dst's reservation (the seam the workers use)."""
+    exp = src.export_kv(rid, skip_blocks=res.num_held_blocks, max_frame_bytes=max_frame_bytes)
+    offset = 0
+    for frame, n in zip(exp.frames, exp.blocks_per_frame, strict=True):
+        dst.land_kv(res, offset, bytes(frame))
+        offset += n
+    assert offset == len(res.missing_block_ids)
+    return exp
+
+
 def transfer(src: LLMEngine, dst: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> None:
     """The prefill/decode split in miniature: copy the prefilled blocks between engines."""
     res = dst.reserve_import(rid, prompt, params)
     assert res is not None
-    exp = src.export_kv(rid, skip_blocks=res.num_held_blocks)
-    assert exp.block_hashes == res.block_hashes
-    for bid, buf in zip(res.missing_block_ids, exp.buffers, strict=True):
-        dst.write_block(bid, buf.clone())
+    # Small frames: several runs per request, as over the wire.
+    exp = ship(src, dst, rid, res, max_frame_bytes=3 * res.layout.block_nbytes)
+    full = len(prompt) // dst.bm.block_size
+    assert exp.block_hashes[:full - res.num_held_blocks] == res.block_hashes[res.num_held_blocks:full]
     src.release(rid)
     assert dst.commit_import(rid, exp.first_token, exp.first_logprob) is None
 
@@ -123,10 +134,8 @@ def test_kv_import_skips_blocks_the_receiver_holds(stories_path, story_ids, stor
     first = [o.new_token_ids for o in pre.step()][0]
     res = dec.reserve_import("x", story_ids[:250], greedy())
     assert res.num_held_blocks == (100 + MAX_NEW - 1) // 16
-    exp = pre.export_kv("x", skip_blocks=res.num_held_blocks)
-    assert len(exp.buffers) == 16 - res.num_held_blocks
-    for bid, buf in zip(res.missing_block_ids, exp.buffers, strict=True):
-        dec.write_block(bid, buf)
+    exp = ship(pre, dec, "x", res)
+    assert exp.num_blocks == 16 - res.num_held_blocks and exp.first_block == res.num_held_blocks
     pre.release("x")
     dec.commit_import("x", exp.first_token, exp.first_logprob)
     toks = list(first)
@@ -142,11 +151,49 @@ def test_export_round_trip_is_lossless(stories_path, story_ids):
     a.add_request("q", story_ids[:70], greedy(), prefill_only=True)
     a.step()
     res = b.reserve_import("q", story_ids[:70], greedy())
+    exp = ship(a, b, "q", res)
+    sent = b"".join(bytes(f) for f in exp.frames)
+    landed = b"".join(bytes(f) for f in b.kv.frames(res.missing_block_ids, 1 << 30)[0])
+    assert len(sent) == 5 * a.kv_layout.block_nbytes and sent == landed
+
+
+def test_closed_reservation_refuses_frames(stories_path, story_ids):
+    """Frames that arrive after an abort or a commit never write blocks that changed hands."""
+    from engine.llm_engine import KVImportError
+
+    cfg = EngineConfig(model=stories_path, block_size=16)
+    a, b = LLMEngine(cfg), LLMEngine(cfg)
+    a.add_request("q", story_ids[:40], greedy(), prefill_only=True)
+    a.step()
     exp = a.export_kv("q")
-    for bid, buf in zip(res.missing_block_ids, exp.buffers, strict=True):
-        b.write_block(bid, buf)
-    for src, dst in zip(exp.block_ids, res.block_ids, strict=True):
-        assert torch.equal(a.kv.block(src), b.kv.block(dst))
+    res = b.reserve_import("q", story_ids[:40], greedy())
+    b.abort_request("q")
+    with pytest.raises(KVImportError, match="closed"):
+        b.land_kv(res, 0, bytes(exp.frames[0]))
+    assert b.stats().used_blocks == 0
+    res = b.reserve_import("q2", story_ids[:40], greedy())
+    with pytest.raises(KVImportError, match="does not fit"):
+        b.land_kv(res, 2, bytes(exp.frames[0]))  # 3 blocks from index 2 of 3 missing
+    offset = 0
+    for frame, n in zip(exp.frames, exp.blocks_per_frame, strict=True):
+        b.land_kv(res, offset, bytes(frame))
+        offset += n
+    b.commit_import("q2", exp.first_token, exp.first_logprob)
+    with pytest.raises(KVImportError, match="closed"):
+        b.land_kv(res, 0, bytes(exp.frames[0]))
+
+
+def test_awaiting_kv_counts_against_max_num_seqs(stories_path, story_ids):
+    eng = LLMEngine(EngineConfig(model=stories_path, max_num_seqs=2))
+    assert eng.reserve_import("a", story_ids[:20], greedy()) is not None
+    assert eng.reserve_import("b", story_ids[:20], greedy()) is not None
+    assert eng.reserve_import("c", story_ids[:20], greedy()) is None  # both slots held by awaiting sequences
+    assert not eng.has_unfinished()  # nothing to step until KV lands
+    eng.add_request("d", story_ids[:20], greedy())
+    assert eng.step() == [] and eng.stats().num_waiting == 1  # a local prompt waits for a slot too
+    eng.abort_request("a")
+    eng.step()
+    assert eng.stats().num_running == 1 and eng.stats().num_waiting == 0
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])

@@ -10,8 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pdcommon.config import load_config
 from pdserve.cli import build_parser
-from pdserve.config import load_config
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 VERSION = "1.30.0"

@@ -4,10 +4,10 @@ colocated mode. Real router and workers (in-process), real HTTP and gRPC clients
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -17,27 +17,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.client import make_request
+from pdcommon.client import make_request
 from tests.cluster_utils import InProcessCluster, make_config
 
 ROOT = Path(__file__).resolve().parent.parent
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory, stories_path) -> str:
-    """stories260K plus a chat template, so /v1/chat/completions has something to apply."""
-    dst = tmp_path_factory.mktemp("chat") / "stories-chat"
-    shutil.copytree(stories_path, dst)
-    cfg_path = dst / "tokenizer_config.json"
-    cfg_path.chmod(0o644)
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return str(dst)
-
-
 @pytest.fixture(scope="module")
 def cluster(stories_path):
     with InProcessCluster(make_config(stories_path)) as c:
@@ -165,25 +148,36 @@ def test_prometheus_metrics_agree_with_requests(stories_path):
         outs = [c.generate(make_request("Once upon a time", max_tokens=10)) for _ in range(n)]
         with pytest.raises(grpc.RpcError):
             c.generate(make_request("", max_tokens=3))
+        met, missed = make_request("Once upon a", max_tokens=3), make_request("Once upon", max_tokens=3)
+        met.slo.ttft_ms, met.slo.tpot_ms = 60_000, 60_000
+        missed.slo.ttft_ms = 0.001
+        c.generate(met), c.generate(missed)
+        stream = c.stream(make_request("Once upon a time", max_tokens=400, ignore_eos=True))
+        next(stream)
+        stream.cancel()  # the client goes away: counted as an abort
+        cl.wait_idle()
         time.sleep(0.8)  # one heartbeat for worker-side figures
         fams = metrics(cl)
     kv_bytes = sum(o.usage["kv_transfer_bytes"] for o in outs)
-    assert sample(fams, "pdserve:time_to_first_token_seconds", "_count") == n
-    assert sample(fams, "pdserve:e2e_request_latency_seconds", "_count") == n
-    assert sample(fams, "pdserve:kv_transfer_seconds", "_count") == n
-    assert sample(fams, "pdserve:inter_token_latency_seconds", "_count") == n * 9
-    assert sample(fams, "pdserve:kv_transfer_bytes", "_total") == kv_bytes > 0
-    assert sample(fams, "pdserve:request_success", "_total", finished_reason="length") == n
+    assert sample(fams, "pdserve:time_to_first_token_seconds", "_count") == n + 2
+    assert sample(fams, "pdserve:e2e_request_latency_seconds", "_count") == n + 2
+    assert sample(fams, "pdserve:kv_transfer_seconds", "_count") == n + 2
+    assert sample(fams, "pdserve:inter_token_latency_seconds", "_count") == n * 9 + 2 * 2
+    assert sample(fams, "pdserve:kv_transfer_bytes", "_total") >= kv_bytes > 0
+    assert sample(fams, "pdserve:request_success", "_total", finished_reason="length") == n + 2
+    assert sample(fams, "pdserve:request_success", "_total", finished_reason="abort") == 1
     assert sample(fams, "pdserve:request_failure", "_total", code="INVALID_ARGUMENT") == 1
-    assert sample(fams, "pdserve:request_slo", "_total", outcome="met") == n
-    assert sample(fams, "pdserve:generation_tokens", "_total") == 10 * n
+    assert sample(fams, "pdserve:request_slo", "_total", outcome="none") == n
+    assert sample(fams, "pdserve:request_slo", "_total", outcome="met") == 1
+    assert sample(fams, "pdserve:request_slo", "_total", outcome="missed") == 1
+    assert sample(fams, "pdserve:generation_tokens", "_total") == 10 * n + 2 * 3
     assert sample(fams, "pdserve:num_replicas", "", pool="prefill") == 1
     assert sample(fams, "pdserve:num_replicas", "", pool="decode") == 1
     assert sample(fams, "pdserve:num_requests_running", "", pool="decode") == 0
     assert sample(fams, "pdserve:num_requests_waiting", "", pool="router") == 0
     assert sample(fams, "pdserve:kv_cache_usage_perc", "", pool="decode", worker="decode-0") == 0
-    # Every prompt was looked up once in the prefill worker's prefix cache (5 tokens each).
-    assert sample(fams, "pdserve:prefix_cache_queries", "_total") == 5 * n
+    # Every prompt was looked up once in the prefill worker's prefix cache (3 to 5 tokens each).
+    assert sample(fams, "pdserve:prefix_cache_queries", "_total") == 5 * n + 4 + 3 + 5
     assert sample(fams, "pdserve:prefix_cache_hits", "_total") == 0
 
 
@@ -236,7 +230,7 @@ def test_colocated_mode_matches_engine(stories_path, story):
 
 
 def test_structured_logs_carry_request_ids(cluster, caplog):
-    from pdserve.runtime.logs import JsonFormatter
+    from pdcommon.logs import JsonFormatter
 
     with caplog.at_level("INFO", logger="router.core"), cluster.client() as c:
         out = c.generate(make_request("Once upon a time", max_tokens=3, request_id="log-me-1"))
@@ -245,3 +239,50 @@ def test_structured_logs_carry_request_ids(cluster, caplog):
     line = json.loads(JsonFormatter().format(records[-1]))
     assert line["request_id"] == "log-me-1" and line["msg"] == "request finished"
     assert line["completion_tokens"] == 3 and line["decode_worker"] == "decode-0" and line["level"] == "INFO"
+
+
+def post_json(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_retrieve(oai):
+    listed = oai.models.list().data[0]
+    got = oai.models.retrieve(listed.id)
+    assert got.id == listed.id == "stories260K"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+
+
+def test_logprob_tokens_are_text_with_offsets(oai, stories_path):
+    out = oai.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                 logprobs=3)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text  # tokens as text, spaces included (' there', not '▁there')
+    assert not any("\u2581" in t for t in lp.tokens) and any(t.startswith(" ") for t in lp.tokens)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) == 3 and not any("\u2581" in k for k in top) for top in lp.top_logprobs)
+    streamed = oai.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                      logprobs=1, stream=True)
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset  # offsets run on across chunks
+
+
+def test_tokenize_and_detokenize(cluster):
+    base = cluster.core.http_address
+    status, body = post_json(base + "/tokenize", {"prompt": "Once upon a time"})
+    assert status == 200 and body["tokens"] == [1, 403, 407, 261, 378] and body["count"] == 5
+    assert body["max_model_len"] == 512
+    status, body = post_json(base + "/tokenize", {"prompt": "Once upon a time", "add_special_tokens": False})
+    assert body["tokens"] == [403, 407, 261, 378]
+    status, body = post_json(base + "/detokenize", {"tokens": [403, 407, 261, 378]})
+    assert status == 200 and body["prompt"] == "Once upon a time"
+    status, body = post_json(base + "/detokenize", {"tokens": [1, 99999]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    status, body = post_json(base + "/tokenize", {"prompt": "x", "model": "other"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from pdserve.client import make_request
-from pdserve.v1 import router_pb2 as pb
+from pdcommon.client import make_request
+from pdcommon.v1 import router_pb2 as pb
 from tests.cluster_utils import InProcessCluster, make_config
 
 
@@ -189,22 +189,20 @@ def test_corrupt_transfer_is_rejected_then_retried(stories_path):
 
 def test_stale_attempt_transfer_is_refused(cluster):
     """KV from an earlier attempt of a retried request never lands in the retry's reservation."""
-    import torch
-
-    from pdserve.runtime.convert import params_to_proto
-    from pdserve.v1 import worker_pb2 as wpb
-    from pdserve.v1 import worker_pb2_grpc as wrpc
+    from pdcommon.convert import params_to_proto
+    from pdcommon.v1 import worker_pb2 as wpb
+    from pdcommon.v1 import worker_pb2_grpc as wrpc
     from transfer import TransferState, build_header, make_sender
 
     dec = next(w for w in cluster.core.members.workers.values() if w.role == "decode")
-    kv = next(rt for rt in cluster.runtimes() if rt.role == "decode").engine.kv
+    layout = next(rt for rt in cluster.runtimes() if rt.role == "decode").engine.kv_layout
     with grpc.insecure_channel(dec.address) as ch:
         call = wrpc.DecodeWorkerStub(ch).Decode(wpb.DecodeRequest(
             request_id="stale-1", prompt_token_ids=[1, 403, 407, 261, 378], attempt=1, transfer_timeout_s=10,
             sampling=params_to_proto(SamplingParams(max_tokens=4, temperature=0))))
         assert next(call).reservation.ok
-        frame = memoryview(torch.zeros(kv.block_shape).view(-1).view(torch.uint8).numpy())
-        header = build_header("stale-1", "float32", list(kv.block_shape), frame.nbytes, [None], [frame], [1],
+        frame = memoryview(bytes(layout.block_nbytes))
+        header = build_header("stale-1", layout.dtype, list(layout.block_shape), frame.nbytes, [None], [frame], [1],
                               meta={"attempt": 0, "first_token": 5, "first_logprob": 0.0})
         sender = make_sender("zmq")
         try:

@@ -89,7 +89,7 @@ def _wait(sender, handle, timeout=10):
 
 @pytest.mark.parametrize("transport", ["zmq", "grpc", "fake"])
 def test_transport_end_to_end(transport):
-    rx = make_receiver(transport, host="127.0.0.5")
+    rx = make_receiver(transport, host="127.0.0.1")
     tx = make_sender(transport)
     stop = threading.Event()
     seen: list = []
@@ -116,7 +116,7 @@ def test_transport_end_to_end(transport):
 
 @pytest.mark.parametrize("transport", ["zmq", "grpc"])
 def test_unacknowledged_transfer_times_out(transport):
-    rx = make_receiver(transport, host="127.0.0.5")  # nobody polls it: no ack ever comes
+    rx = make_receiver(transport, host="127.0.0.1")  # nobody polls it: no ack ever comes
     tx = make_sender(transport)
     try:
         header, frames = make_payload()
@@ -144,7 +144,7 @@ class RecordingSink:
 
 def test_zmq_streams_frames_into_a_sink():
     sink = RecordingSink()
-    rx = make_receiver("zmq", host="127.0.0.5", sink=sink)
+    rx = make_receiver("zmq", host="127.0.0.1", sink=sink)
     tx = make_sender("zmq")
     try:
         header, frames = make_payload(n_frames=5, blocks=1, block_nbytes=8192)

@@ -1,106 +1,20 @@
-"""Ray actors that host the router and the workers. Each runs its asyncio server in a
-background thread so the actor can still answer control calls (ready, pid, shutdown)."""
+"""The Ray actor that hosts the router; it starts and stops worker actors through RayLauncher."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
-import threading
-from collections.abc import Callable, Coroutine
 
 import ray
 
-from pdserve.config import ClusterConfig
-
-
-class _LoopHost:
-    """Runs one async serve() in a thread; `started` gets its address."""
-
-    def __init__(self, make: Callable[[asyncio.Event, asyncio.Future], Coroutine]) -> None:
-        self._ready = threading.Event()
-        self._address = ""
-        self._error: BaseException | None = None
-        self._make = make
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.stop_event: asyncio.Event | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self.loop = asyncio.get_running_loop()
-            self.stop_event = asyncio.Event()
-            started = self.loop.create_future()
-            started.add_done_callback(self._on_started)
-            try:
-                await self._make(self.stop_event, started)
-            except BaseException as e:
-                self._error = e
-                self._ready.set()
-                raise
-
-        try:
-            asyncio.run(main())
-        except BaseException:
-            logging.getLogger(__name__).exception("server thread ended with an error")
-
-    def _on_started(self, fut: asyncio.Future) -> None:
-        self._address = fut.result()
-        self._ready.set()
-
-    def wait(self, timeout_s: float) -> str:
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"server did not start within {timeout_s:.0f}s")
-        if self._error is not None:
-            raise RuntimeError(f"server failed to start: {self._error!r}") from self._error
-        return self._address
-
-    def stop(self) -> None:
-        if self.loop is not None and self.stop_event is not None:
-            self.loop.call_soon_threadsafe(self.stop_event.set)
-        self.thread.join(timeout=10)
-
-
-def _quiet_logging() -> None:
-    from pdserve.runtime.logs import setup_logging
-
-    setup_logging()
-
-
-@ray.remote(num_cpus=0, max_restarts=0)
-class WorkerActor:
-    def __init__(self, cfg: dict, role: str, worker_id: str, router_address: str) -> None:
-        _quiet_logging()
-        config = ClusterConfig.model_validate(cfg)
-        if config.engine.num_threads:
-            import torch
-
-            torch.set_num_threads(config.engine.num_threads)
-        if role == "prefill":
-            from prefill_worker import serve
-        elif role == "decode":
-            from decode_worker import serve
-        else:
-            from decode_worker.colocated import serve
-        self.worker_id = worker_id
-        self.host = _LoopHost(lambda stop, started: serve(config, worker_id, router_address, stop, started))
-
-    def ready(self, timeout_s: float = 300.0) -> str:
-        return self.host.wait(timeout_s)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def shutdown(self) -> None:
-        self.host.stop()
+from pdcommon.config import ClusterConfig
+from pdserve.launch.loop_host import LoopHost, quiet_logging
+from pdserve.launch.ray_launcher import RayLauncher
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class RouterActor:
     def __init__(self, cfg: dict) -> None:
-        _quiet_logging()
-        from pdserve.launch.ray_launcher import RayLauncher
+        quiet_logging()
         from router import RouterServer
 
         self.cfg = ClusterConfig.model_validate(cfg)
@@ -118,7 +32,7 @@ class RouterActor:
                 await self.launcher.remove_all()
                 await self.server.stop()
 
-        self.host = _LoopHost(serve)
+        self.host = LoopHost(serve)
 
     def address(self, timeout_s: float = 120.0) -> str:
         return self.host.wait(timeout_s)

@@ -7,7 +7,7 @@ import os
 import uuid
 from pathlib import Path
 
-from pdserve.config import ClusterConfig
+from pdcommon.config import ClusterConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,15 +8,11 @@ import asyncio
 import threading
 import time
 
-import decode_worker
-import prefill_worker
-from decode_worker.colocated import serve as serve_colocated
-from pdserve.client import RouterClient
-from pdserve.config import ClusterConfig
-from pdserve.runtime.worker_server import WorkerRuntime
+from pdcommon.client import RouterClient
+from pdcommon.config import ClusterConfig
+from pdcommon.worker_runtime import WorkerRuntime
+from pdserve.launch.roles import serve_worker
 from router import RouterServer
-
-SERVE = {"prefill": prefill_worker.serve, "decode": decode_worker.serve, "colocated": serve_colocated}
 
 
 class InProcessCluster:
@@ -42,8 +38,8 @@ class InProcessCluster:
             addr = await self.router.start()
             for role, n in self.counts.items():
                 for i in range(n):
-                    serve = SERVE[role]
-                    self.tasks.append(asyncio.create_task(serve(self.cfg, f"{role}-{i}", addr, self.stop_event)))
+                    self.tasks.append(asyncio.create_task(
+                        serve_worker(self.cfg, role, f"{role}-{i}", addr, self.stop_event)))
             await self.router.wait_ready(self.counts, 120)
             return addr
 

@@ -8,6 +8,8 @@ import logging
 
 import ray
 
+from pdserve.launch.worker_actor import WorkerActor
+
 log = logging.getLogger(__name__)
 
 
@@ -19,8 +21,6 @@ class RayLauncher:
         self._ids = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
 
     async def add_worker(self, role: str) -> str:
-        from pdserve.launch.actors import WorkerActor
-
         worker_id = f"{role}-{next(self._ids[role])}"
         threads = str(self.cfg.get("engine", {}).get("num_threads") or 1)
         env = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}

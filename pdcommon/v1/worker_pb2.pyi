@@ -1,4 +1,4 @@
-from pdserve.v1 import router_pb2 as _router_pb2
+from pdcommon.v1 import router_pb2 as _router_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "transfer_address", "num_blocks", "block_size", "model")
+    __slots__ = ("worker_id", "role", "address", "transfer_address", "num_blocks", "block_size", "model", "model_fingerprint", "kv_layout")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class WorkerInfo(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -23,7 +25,17 @@ class WorkerInfo(_message.Message):
     num_blocks: int
     block_size: int
     model: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    model_fingerprint: str
+    kv_layout: KVLayout
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("dtype", "block_shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    block_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[str] = ..., block_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("accepted", "message")
@@ -68,14 +80,13 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "text", "finish_reason", "cached_tokens", "queue_s", "prefill_s")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "text", "finish_reason", "cached_tokens", "prefill_s")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
@@ -83,84 +94,65 @@ class FirstToken(_message.Message):
     text: str
     finish_reason: str
     cached_tokens: int
-    queue_s: float
     prefill_s: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[_router_pb2.TopLogprobs, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
-
-class TransferResult(_message.Message):
-    __slots__ = ("ok", "error", "bytes", "blocks", "seconds")
-    OK_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
-    ok: bool
-    error: str
-    bytes: int
-    blocks: int
-    seconds: float
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[_router_pb2.TopLogprobs, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first", "transfer")
+    __slots__ = ("first",)
     FIRST_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_FIELD_NUMBER: _ClassVar[int]
     first: FirstToken
-    transfer: TransferResult
-    def __init__(self, first: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, first: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s", "attempt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s", "attempt", "prefill_here")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
     transfer_timeout_s: float
     attempt: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ...) -> None: ...
+    prefill_here: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class Reservation(_message.Message):
-    __slots__ = ("ok", "num_held_blocks", "num_blocks", "free_blocks")
+    __slots__ = ("ok", "num_held_blocks", "free_blocks")
     OK_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     num_held_blocks: int
-    num_blocks: int
     free_blocks: int
-    def __init__(self, ok: _Optional[bool] = ..., num_held_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., num_held_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s", "queue_s", "prefill_s", "cached_tokens")
+    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s", "kv_transfer_bytes")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_router_pb2.TopLogprobs]
     finish_reason: str
     kv_transfer_s: float
-    queue_s: float
-    prefill_s: float
-    cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_router_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    kv_transfer_bytes: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_router_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("reservation", "tokens")
+    __slots__ = ("reservation", "tokens", "first")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     reservation: Reservation
     tokens: DecodeTokens
-    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., tokens: _Optional[_Union[DecodeTokens, _Mapping]] = ...) -> None: ...
+    first: FirstToken
+    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., tokens: _Optional[_Union[DecodeTokens, _Mapping]] = ..., first: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...

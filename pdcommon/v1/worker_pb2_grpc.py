@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.v1 import worker_pb2 as pdserve_dot_v1_dot_worker__pb2
+from pdcommon.v1 import worker_pb2 as pdcommon_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdserve/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in pdcommon/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class ControlStub:
         """
         self.Register = channel.unary_unary(
                 '/pdserve.v1.Control/Register',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.RegisterReply.FromString,
+                request_serializer=pdcommon_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_worker__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/pdserve.v1.Control/Heartbeat',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatReply.FromString,
+                request_serializer=pdcommon_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_worker__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=pdcommon_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_worker__pb2.RegisterReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatReply.SerializeToString,
+                    request_deserializer=pdcommon_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_worker__pb2.HeartbeatReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class Control:
             request,
             target,
             '/pdserve.v1.Control/Register',
-            pdserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.RegisterReply.FromString,
+            pdcommon_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            pdcommon_dot_v1_dot_worker__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class Control:
             request,
             target,
             '/pdserve.v1.Control/Heartbeat',
-            pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.HeartbeatReply.FromString,
+            pdcommon_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
+            pdcommon_dot_v1_dot_worker__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -154,8 +154,8 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_stream(
                 '/pdserve.v1.PrefillWorker/Prefill',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=pdcommon_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
 
 
@@ -163,7 +163,8 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """First message: the first token. Last message: the KV transfer's outcome.
+        """One message: the first token. The stream then stays open while the KV ships and ends when
+        the shipping ends; the decode worker alone reports the transfer's outcome.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,8 +175,8 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdcommon_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -203,86 +204,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/Prefill',
-            pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-
-class ColocatedWorkerStub:
-    """Colocated mode: one worker runs both phases; no KV moves. Same messages as Decode, and the
-    first token message carries the prefill timings.
-    """
-
-    def __init__(self, channel):
-        """Constructor.
-
-        Args:
-            channel: A grpc.Channel.
-        """
-        self.Generate = channel.unary_stream(
-                '/pdserve.v1.ColocatedWorker/Generate',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
-                _registered_method=True)
-
-
-class ColocatedWorkerServicer:
-    """Colocated mode: one worker runs both phases; no KV moves. Same messages as Decode, and the
-    first token message carries the prefill timings.
-    """
-
-    def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-
-def add_ColocatedWorkerServicer_to_server(servicer, server):
-    rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
-            ),
-    }
-    generic_handler = grpc.method_handlers_generic_handler(
-            'pdserve.v1.ColocatedWorker', rpc_method_handlers)
-    server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pdserve.v1.ColocatedWorker', rpc_method_handlers)
-
-
- # This class is part of an EXPERIMENTAL API.
-class ColocatedWorker:
-    """Colocated mode: one worker runs both phases; no KV moves. Same messages as Decode, and the
-    first token message carries the prefill timings.
-    """
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdserve.v1.ColocatedWorker/Generate',
-            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            pdcommon_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdcommon_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -305,8 +228,8 @@ class DecodeWorkerStub:
         """
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.DecodeWorker/Decode',
-                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                request_serializer=pdcommon_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
 
 
@@ -314,7 +237,10 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """First message: the reservation (or no room). After the KV lands: token messages.
+        """First message: the reservation (or no room). Then, with prefill_here (colocated workers,
+        vLLM's kv_both), the first token computed here; otherwise the KV arrives from a prefill
+        worker. Then token messages. A transfer that fails or never arrives ends the stream with
+        DATA_LOSS or ABORTED: this stream is the one report of the transfer's outcome.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -325,8 +251,8 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=pdcommon_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,8 +280,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/Decode',
-            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            pdcommon_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            pdcommon_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from engine.outputs import EngineStats
+from engine.model_meta import KVLayout
+from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import router_pb2 as pb
+from pdcommon.v1 import router_pb2 as pb
+from pdcommon.v1 import worker_pb2 as wpb
 
 
 def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
@@ -41,3 +43,26 @@ def stats_to_proto(worker_id: str, role: str, address: str, state: str, st: Engi
                            num_waiting=st.num_waiting, num_blocks=st.num_blocks, used_blocks=st.used_blocks,
                            free_blocks=st.free_blocks, cached_blocks=st.cached_blocks, kv_usage=st.kv_usage,
                            prefix_queries=st.prefix_queries, prefix_hits=st.prefix_hits, **extra)
+
+
+def first_token_to_proto(out: RequestOutput, prefill_s: float) -> wpb.FirstToken:
+    """The engine's first output of a request (prefill done) as the worker API's FirstToken."""
+    top = out.new_top_logprobs[0] if out.new_top_logprobs else None
+    return wpb.FirstToken(token_id=out.new_token_ids[0], logprob=out.new_logprobs[0],
+                          top_logprobs=pb.TopLogprobs(logprobs=top) if top else None, text=out.text_delta,
+                          finish_reason=out.finish_reason or "", cached_tokens=out.num_cached_tokens,
+                          prefill_s=prefill_s)
+
+
+def tokens_to_proto(out: RequestOutput, **extra) -> wpb.DecodeTokens:
+    return wpb.DecodeTokens(token_ids=out.new_token_ids, text=out.text_delta, logprobs=out.new_logprobs,
+                            top_logprobs=top_to_proto(out.new_top_logprobs) if any(out.new_top_logprobs) else [],
+                            finish_reason=out.finish_reason or "", **extra)
+
+
+def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:
+    return wpb.KVLayout(dtype=layout.dtype, block_shape=list(layout.block_shape))
+
+
+def layout_from_proto(msg: wpb.KVLayout) -> KVLayout:
+    return KVLayout(msg.dtype, tuple(msg.block_shape))

@@ -1,5 +1,6 @@
 """One thread owns the engine; asyncio handlers talk to it through commands and per-request
-output queues. The engine is never touched from two threads."""
+output queues. Every engine call runs on that thread, except LLMEngine.land_kv, which the
+decode worker's receiver thread calls (see the threading rule in engine/llm_engine.py)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ class EngineLoop:
         self._streams[request_id] = q
         return q
 
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def close_stream(self, request_id: str, q: asyncio.Queue[RequestOutput]) -> None:
+        """Stop delivering to q; a newer stream opened under the same id (a retry) stays."""
+        if self._streams.get(request_id) is q:
+            del self._streams[request_id]
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -2,30 +2,52 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
+import warnings
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from engine.config import EngineConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineSection(_Strict):
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    block_size: int = Field(16, ge=1)
-    num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_bytes: int = Field(256 << 20, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    max_num_seqs: int = Field(64, ge=1)
-    prefill_chunk_size: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = Field(None, ge=1)
-    num_threads: int | None = Field(1, ge=1)
+def _engine_section(name: str, overrides: bool) -> type[BaseModel]:
+    """A pydantic model with EngineConfig's own fields (less `model`, which is cluster-wide), so the
+    YAML edge and the engine share one schema. As per-pool overrides every field is optional."""
+    hints = typing.get_type_hints(EngineConfig)
+    fields: dict = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        fields[f.name] = (hints[f.name] | None, None) if overrides else (hints[f.name], f.default)
+    return create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
+
+
+_EngineFields = _engine_section("EngineSection", overrides=False)
+_EngineOverrides = _engine_section("EngineOverrides", overrides=True)
+
+
+class EngineSection(_EngineFields):  # type: ignore[misc, valid-type]
+    @model_validator(mode="after")
+    def _engine_checks(self) -> EngineSection:
+        # The engine's own checks (ranges, device) run at load time, not when a worker starts.
+        EngineConfig(model="-", **self.model_dump())
+        return self
+
+
+class EngineOverrides(_EngineOverrides):  # type: ignore[misc, valid-type]
+    def set_values(self) -> dict:
+        """The keys this pool overrides. A null means "not overridden" (so the config survives a
+        dump and re-validation on its way to a Ray actor); it cannot reset a key to null."""
+        return self.model_dump(exclude_none=True)
 
 
 class PoolSection(_Strict):
@@ -34,7 +56,7 @@ class PoolSection(_Strict):
     advertise_host: str | None = None
     port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
     transfer_port: int = Field(0, ge=0, le=65535)
-    engine: dict = Field(default_factory=dict)  # per-pool overrides of the engine section
+    engine: EngineOverrides = Field(default_factory=EngineOverrides)  # per-pool overrides of the engine section
 
 
 class PoolsSection(_Strict):
@@ -64,7 +86,6 @@ class TransferSection(_Strict):
     transport: Literal["zmq", "grpc", "fake"] = "zmq"
     timeout_s: float = Field(30.0, gt=0)
     max_frame_bytes: int = Field(16 << 20, ge=1)
-    hwm: int = Field(1024, ge=1)
 
 
 class HeartbeatSection(_Strict):
@@ -107,8 +128,19 @@ class ClusterConfig(_Strict):
         self.decode.replicas = 1 if self.decode.replicas is None else self.decode.replicas
         return self
 
-    def engine_kwargs(self, role: str) -> dict:
-        return {"model": self.model, **self.engine.model_dump(), **self.pool(role).engine}
+    @model_validator(mode="after")
+    def _kv_compatible(self) -> ClusterConfig:
+        """KV moves prefill -> decode block by block: both pools must lay blocks out alike."""
+        if self.mode == "disaggregated":
+            p, d = self.engine_config("prefill"), self.engine_config("decode")
+            for key in ("dtype", "block_size"):
+                if getattr(p, key) != getattr(d, key):
+                    raise ValueError(f"prefill.engine.{key} ({getattr(p, key)}) and decode.engine.{key} "
+                                     f"({getattr(d, key)}) differ; KV blocks must have one layout in both pools")
+        return self
+
+    def engine_config(self, role: str) -> EngineConfig:
+        return EngineConfig(model=self.model, **{**self.engine.model_dump(), **self.pool(role).engine.set_values()})
 
     def pool(self, role: str) -> PoolSection:
         return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[role]
@@ -119,9 +151,45 @@ class ClusterConfig(_Strict):
         return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
 
 
+# Keys that older configs may still carry: dotted path -> new dotted path (None: no longer used).
+DEPRECATED_KEYS: dict[str, str | None] = {"transfer.hwm": None}
+
+
+def _pop(data: dict, dotted: str) -> tuple[bool, object]:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return False, None
+    return (True, node.pop(leaf)) if leaf in node else (False, None)
+
+
+def _set(data: dict, dotted: str, value: object) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _migrate(data: dict) -> None:
+    for old, new in DEPRECATED_KEYS.items():
+        found, value = _pop(data, old)
+        if not found:
+            continue
+        if new is None:
+            warnings.warn(f"config key {old!r} is no longer used and is ignored; remove it", DeprecationWarning,
+                          stacklevel=3)
+        else:
+            warnings.warn(f"config key {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3)
+            _set(data, new, value)
+
+
 def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
     """Read YAML (relative model paths resolve against the working directory) and apply
-    dotted overrides such as {"model": ..., "transfer.transport": "grpc"}."""
+    dotted overrides such as {"model": ..., "transfer.transport": "grpc"}. An override of None
+    sets the key to null (e.g. "router.http_port": None turns HTTP off)."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -129,14 +197,9 @@ def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
             raise FileNotFoundError(f"config file {p} not found")
         # ${VAR} in the YAML expands from the environment (e.g. the pod IP under Kubernetes).
         data = yaml.safe_load(os.path.expandvars(p.read_text())) or {}
+    _migrate(data)
     for key, value in overrides.items():
-        if value is None:
-            continue
-        node = data
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+        _set(data, key, value)
     cfg = ClusterConfig.model_validate(data)
     # Workers may run with another working directory (Ray actors, pods): pin the model path now.
     model = Path(cfg.model).expanduser()

@@ -12,12 +12,13 @@ from typing import ClassVar
 
 import grpc
 
-from engine import EngineConfig, LLMEngine
-from pdserve.config import ClusterConfig
-from pdserve.runtime.convert import stats_to_proto
-from pdserve.runtime.engine_loop import EngineLoop
-from pdserve.v1 import worker_pb2 as wpb
-from pdserve.v1 import worker_pb2_grpc as wrpc
+from engine import LLMEngine
+from engine.model_meta import fingerprint, resolve_model_path
+from pdcommon.config import ClusterConfig
+from pdcommon.convert import layout_to_proto, stats_to_proto
+from pdcommon.engine_loop import EngineLoop
+from pdcommon.v1 import worker_pb2 as wpb
+from pdcommon.v1 import worker_pb2_grpc as wrpc
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class WorkerRuntime:
         self.state = "active"
         self.service: object | None = None  # the role's gRPC servicer, for introspection
         self._hb_task: asyncio.Task | None = None
+        self._fingerprint: str | None = None
         WorkerRuntime.instances.add(self)
 
     @property
@@ -48,7 +50,7 @@ class WorkerRuntime:
 
     async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> None:
         loop = asyncio.get_running_loop()
-        ecfg = EngineConfig(**self.cfg.engine_kwargs(self.role))
+        ecfg = self.cfg.engine_config(self.role)
         # Loading takes seconds: keep the event loop free meanwhile.
         self.engine = await loop.run_in_executor(None, LLMEngine, ecfg)
         self.loop_ = EngineLoop(self.engine, loop)
@@ -67,9 +69,13 @@ class WorkerRuntime:
 
     def info(self) -> wpb.WorkerInfo:
         assert self.engine is not None
+        path = resolve_model_path(self.cfg.model)
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(path)
         return wpb.WorkerInfo(worker_id=self.worker_id, role=self.role, address=self.address,
                               transfer_address=self.transfer_address, num_blocks=self.engine.bm.num_blocks,
-                              block_size=self.engine.bm.block_size, model=self.cfg.model)
+                              block_size=self.engine.bm.block_size, model=path.name,
+                              model_fingerprint=self._fingerprint, kv_layout=layout_to_proto(self.engine.kv_layout))
 
     async def _heartbeat(self) -> None:
         interval = self.cfg.heartbeat.interval_s

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.v1 import router_pb2 as pb
-from pdserve.v1 import router_pb2_grpc as rrpc
+from pdcommon.v1 import router_pb2 as pb
+from pdcommon.v1 import router_pb2_grpc as rrpc
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pdserve.v1 import router_pb2 as pdserve_dot_v1_dot_router__pb2
+from pdcommon.v1 import router_pb2 as pdcommon_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pdserve/v1/router_pb2_grpc.py depends on'
+        + ' but the generated code in pdcommon/v1/router_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class RouterStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Router/Generate',
-                request_serializer=pdserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+                request_serializer=pdcommon_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdserve.v1.Router/Health',
-                request_serializer=pdserve_dot_v1_dot_router__pb2.HealthRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_router__pb2.HealthResponse.FromString,
+                request_serializer=pdcommon_dot_v1_dot_router__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_router__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/pdserve.v1.Router/ClusterStatus',
-                request_serializer=pdserve_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
+                request_serializer=pdcommon_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
         self.Scale = channel.unary_unary(
                 '/pdserve.v1.Router/Scale',
-                request_serializer=pdserve_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
-                response_deserializer=pdserve_dot_v1_dot_router__pb2.ScaleResponse.FromString,
+                request_serializer=pdcommon_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_router__pb2.ScaleResponse.FromString,
                 _registered_method=True)
 
 
@@ -91,23 +91,23 @@ def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pdserve_dot_v1_dot_router__pb2.GenerateRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=pdcommon_dot_v1_dot_router__pb2.GenerateRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=pdserve_dot_v1_dot_router__pb2.HealthRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_router__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=pdcommon_dot_v1_dot_router__pb2.HealthRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_router__pb2.HealthResponse.SerializeToString,
             ),
             'ClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClusterStatus,
-                    request_deserializer=pdserve_dot_v1_dot_router__pb2.ClusterStatusRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_router__pb2.ClusterStatusResponse.SerializeToString,
+                    request_deserializer=pdcommon_dot_v1_dot_router__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_router__pb2.ClusterStatusResponse.SerializeToString,
             ),
             'Scale': grpc.unary_unary_rpc_method_handler(
                     servicer.Scale,
-                    request_deserializer=pdserve_dot_v1_dot_router__pb2.ScaleRequest.FromString,
-                    response_serializer=pdserve_dot_v1_dot_router__pb2.ScaleResponse.SerializeToString,
+                    request_deserializer=pdcommon_dot_v1_dot_router__pb2.ScaleRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_router__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,8 +135,8 @@ class Router:
             request,
             target,
             '/pdserve.v1.Router/Generate',
-            pdserve_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
-            pdserve_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            pdcommon_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+            pdcommon_dot_v1_dot_router__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -162,8 +162,8 @@ class Router:
             request,
             target,
             '/pdserve.v1.Router/Health',
-            pdserve_dot_v1_dot_router__pb2.HealthRequest.SerializeToString,
-            pdserve_dot_v1_dot_router__pb2.HealthResponse.FromString,
+            pdcommon_dot_v1_dot_router__pb2.HealthRequest.SerializeToString,
+            pdcommon_dot_v1_dot_router__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -189,8 +189,8 @@ class Router:
             request,
             target,
             '/pdserve.v1.Router/ClusterStatus',
-            pdserve_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
-            pdserve_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
+            pdcommon_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
+            pdcommon_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -216,8 +216,8 @@ class Router:
             request,
             target,
             '/pdserve.v1.Router/Scale',
-            pdserve_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
-            pdserve_dot_v1_dot_router__pb2.ScaleResponse.FromString,
+            pdcommon_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
+            pdcommon_dot_v1_dot_router__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

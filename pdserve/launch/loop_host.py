@@ -1,0 +1,63 @@
+"""Runs one async serve() in a background thread, so a Ray actor hosting it can still answer
+control calls (ready, pid, shutdown) on its own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+
+
+class LoopHost:
+    """Runs one async serve() in a thread; `started` gets its address."""
+
+    def __init__(self, make: Callable[[asyncio.Event, asyncio.Future], Coroutine]) -> None:
+        self._ready = threading.Event()
+        self._address = ""
+        self._error: BaseException | None = None
+        self._make = make
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.stop_event: asyncio.Event | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            self.stop_event = asyncio.Event()
+            started = self.loop.create_future()
+            started.add_done_callback(self._on_started)
+            try:
+                await self._make(self.stop_event, started)
+            except BaseException as e:
+                self._error = e
+                self._ready.set()
+                raise
+
+        try:
+            asyncio.run(main())
+        except BaseException:
+            logging.getLogger(__name__).exception("server thread ended with an error")
+
+    def _on_started(self, fut: asyncio.Future) -> None:
+        self._address = fut.result()
+        self._ready.set()
+
+    def wait(self, timeout_s: float) -> str:
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"server did not start within {timeout_s:.0f}s")
+        if self._error is not None:
+            raise RuntimeError(f"server failed to start: {self._error!r}") from self._error
+        return self._address
+
+    def stop(self) -> None:
+        if self.loop is not None and self.stop_event is not None:
+            self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(timeout=10)
+
+
+def quiet_logging() -> None:
+    from pdcommon.logs import setup_logging
+
+    setup_logging()

@@ -1,1 +1,0 @@
-"""Serving runtime shared by the router and both worker pools (below the CLI and launchers)."""

@@ -1,0 +1,90 @@
+"""Admission: a request holds a reservation on a decode worker (or a colocated one) for its
+whole life. The router asks workers with room in policy order, and otherwise waits in a
+bounded queue until capacity changes or the deadline passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from pdcommon.convert import params_to_proto
+from pdcommon.v1 import worker_pb2 as wpb
+from router.membership import Membership, WorkerRecord
+from router.policy import RoutingPolicy
+from router.request import RequestFailed, RequestState
+
+
+@dataclass(slots=True)
+class Lease:
+    """An open Decode call with its reservation; released on every path by its attempt."""
+
+    worker: WorkerRecord
+    call: object
+    reservation: wpb.Reservation
+
+    def release(self, st: RequestState) -> None:
+        self.worker.inflight.pop(st.request_id, None)
+        self.call.cancel()
+
+
+class Admission:
+    def __init__(self, members: Membership, policy: RoutingPolicy, role: str, block_size: int, queue_size: int,
+                 transfer_timeout_s: float) -> None:
+        self.members, self.policy, self.role = members, policy, role
+        self.block_size, self.queue_size, self.transfer_timeout_s = block_size, queue_size, transfer_timeout_s
+        self.waiting = 0
+
+    def _ranked(self, st: RequestState, need: int) -> list[WorkerRecord]:
+        ranked = self.policy.rank_decode(self.members.active(self.role), st.prefix, need)
+        # After a failed attempt, other workers first; the same one only as a last resort.
+        return [w for w in ranked if w.worker_id not in st.avoid] + [w for w in ranked if w.worker_id in st.avoid]
+
+    async def admit(self, st: RequestState) -> Lease:
+        need = -(-st.blocks_needed_tokens // self.block_size)
+        queued = False
+        try:
+            while True:
+                for w in self._ranked(st, need):
+                    lease = await self._try(w, st, need)
+                    if lease is not None:
+                        return lease
+                if not queued:
+                    if self.waiting >= self.queue_size:
+                        raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                            f"router queue full ({self.waiting} waiting); retry later")
+                    queued = True
+                    self.waiting += 1
+                if st.remaining <= 0:
+                    raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        f"no {self.role} worker had room for {need} KV blocks before the deadline")
+                await self.members.wait_changed(min(st.remaining, 1.0))
+        finally:
+            if queued:
+                self.waiting -= 1
+
+    async def _try(self, w: WorkerRecord, st: RequestState, need: int) -> Lease | None:
+        """Open a Decode call on `w`; a lease if it reserved room, None if it had none."""
+        call = w.stub.Decode(wpb.DecodeRequest(
+            request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
+            transfer_timeout_s=self.transfer_timeout_s, attempt=st.attempt, prefill_here=self.role == "colocated"),
+            timeout=max(st.remaining, 0.001))
+        # Count the request against the worker now, so concurrent admissions spread out.
+        w.inflight[st.request_id] = st.fail
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            w.inflight.pop(st.request_id, None)
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise RequestFailed(e.code(), e.details()) from e
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.members.drop(w.worker_id, f"unreachable ({e.details()})")
+            return None
+        if first is grpc.aio.EOF or not first.reservation.ok:
+            w.inflight.pop(st.request_id, None)
+            if first is not grpc.aio.EOF:
+                w.observe_free(first.reservation.free_blocks)
+            call.cancel()
+            return None
+        w.pending_blocks += need - first.reservation.num_held_blocks
+        return Lease(w, call, first.reservation)

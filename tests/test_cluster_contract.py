@@ -1,0 +1,97 @@
+"""What the cluster promises across the prefill/decode split: seeded sampling equals the engine
+alone (after a retry too), bf16 KV survives the wire, workers of another model are refused,
+and config mistakes fail at load time naming the key."""
+
+from __future__ import annotations
+
+import warnings
+
+import grpc
+import pytest
+from pydantic import ValidationError
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from pdcommon.client import make_request
+from pdcommon.config import load_config
+from pdcommon.convert import layout_to_proto
+from pdcommon.v1 import worker_pb2 as wpb
+from pdcommon.v1 import worker_pb2_grpc as wrpc
+from tests.cluster_utils import InProcessCluster, make_config
+from tests.test_router_errors import _corrupt
+
+PROMPT = "Once upon a time there was a"
+
+
+def _engine_alone(path: str, params: SamplingParams, **cfg) -> dict:
+    return LLMEngine(EngineConfig(model=path, **cfg)).generate([PROMPT], params)[0]
+
+
+def test_seeded_sampling_across_the_split_equals_engine_alone(stories_path):
+    params = dict(max_tokens=40, temperature=0.9, top_p=0.95, top_k=40, ignore_eos=True)
+    refs = {seed: _engine_alone(stories_path, SamplingParams(seed=seed, **params))["token_ids"] for seed in (7, 8)}
+    assert refs[7] != refs[8], "two seeds should draw different stories"
+    cfg = make_config(stories_path, **{"router.max_retries": 1})
+    with InProcessCluster(cfg) as cl, cl.client() as c:
+        for seed, ref in refs.items():
+            assert c.generate(make_request(PROMPT, seed=seed, **params)).token_ids == ref
+        _corrupt(cl, 1)  # the first transfer is rejected: the request is prefilled again and retried
+        out = c.generate(make_request(PROMPT, seed=7, **params))
+        assert out.token_ids == refs[7]
+        cl.wait_idle()
+
+
+def test_bfloat16_kv_across_the_wire_equals_engine_alone(stories_path):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    ref = _engine_alone(stories_path, params, dtype="bfloat16")
+    cfg = make_config(stories_path, **{"engine.dtype": "bfloat16"})
+    with InProcessCluster(cfg) as cl, cl.client() as c:
+        out = c.generate(make_request(PROMPT, max_tokens=30, ignore_eos=True))
+        assert out.token_ids == ref["token_ids"]
+        assert out.usage["kv_transfer_bytes"] == 1 * 5 * 2 * 16 * 4 * 8 * 2  # one bf16 block (8 prompt tokens)
+        cl.wait_idle()
+
+
+def _register(address: str, info: wpb.WorkerInfo) -> wpb.RegisterReply:
+    with grpc.insecure_channel(address) as ch:
+        return wrpc.ControlStub(ch).Register(info, timeout=10)
+
+
+def test_workers_of_another_model_or_layout_are_refused(stories_path):
+    cfg = make_config(stories_path)
+    with InProcessCluster(cfg) as cl:
+        core = cl.core
+        good = wpb.WorkerInfo(worker_id="intruder", role="decode", address="127.0.0.1:1", block_size=16,
+                              num_blocks=8, model="stories260K", model_fingerprint=core.model.fingerprint,
+                              kv_layout=layout_to_proto(core.layouts["decode"]))
+        other_model = wpb.WorkerInfo()
+        other_model.CopyFrom(good)
+        other_model.model_fingerprint = "0" * 32
+        reply = _register(cl.address, other_model)
+        assert not reply.accepted and "config.json or tokenizer differ" in reply.message
+        other_layout = wpb.WorkerInfo()
+        other_layout.CopyFrom(good)
+        other_layout.kv_layout.dtype = "bfloat16"
+        reply = _register(cl.address, other_layout)
+        assert not reply.accepted and "KV layout" in reply.message and "bfloat16" in reply.message
+        assert "intruder" not in core.members.workers
+
+
+def test_per_pool_override_typo_fails_at_load_naming_the_key():
+    with pytest.raises(ValidationError, match=r"decode\.engine\.max_num_seq\b"):
+        load_config(None, **{"decode.engine.max_num_seq": 8})
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        load_config(None, **{"engine.max_num_seqs": 0})  # the engine's own range check, at load time
+    with pytest.raises(ValidationError, match="KV blocks must have one layout"):
+        load_config(None, **{"prefill.engine.block_size": 32})
+    cfg = load_config(None, **{"decode.engine.max_num_seqs": 8})
+    assert cfg.engine_config("decode").max_num_seqs == 8 and cfg.engine_config("prefill").max_num_seqs == 64
+
+
+def test_deprecated_key_warns_and_null_override_applies(tmp_path):
+    f = tmp_path / "old.yaml"
+    f.write_text("transfer:\n  transport: zmq\n  hwm: 1024\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(f, **{"router.http_port": None})
+    assert any("transfer.hwm" in str(w.message) for w in caught)
+    assert cfg.router.http_port is None  # None turns HTTP off rather than being skipped
