@@ -40,14 +40,18 @@ def test_seeded_sampling_across_the_split_equals_engine_alone(stories_path):
         cl.wait_idle()
 
 
-def test_bfloat16_kv_across_the_wire_equals_engine_alone(stories_path):
-    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    ref = _engine_alone(stories_path, params, dtype="bfloat16")
-    cfg = make_config(stories_path, **{"engine.dtype": "bfloat16"})
+def test_bfloat16_kv_across_the_wire_equals_engine_alone(stories_path, story):
+    """100 prompt tokens (7 blocks, shipped in 3 frames): a short prompt would not do, since the
+    tiny model continues "Once upon a time" the same way even with its KV zeroed."""
+    prompt = story[:100]
+    ref = LLMEngine(EngineConfig(model=stories_path, dtype="bfloat16")).generate(
+        [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    block = 5 * 2 * 16 * 4 * 8 * 2  # layers x (K, V) x block_size x kv_heads x head_dim x bf16
+    cfg = make_config(stories_path, **{"engine.dtype": "bfloat16", "transfer.max_frame_bytes": 3 * block})
     with InProcessCluster(cfg) as cl, cl.client() as c:
-        out = c.generate(make_request(PROMPT, max_tokens=30, ignore_eos=True))
+        out = c.generate(make_request(prompt, max_tokens=30, ignore_eos=True))
         assert out.token_ids == ref["token_ids"]
-        assert out.usage["kv_transfer_bytes"] == 1 * 5 * 2 * 16 * 4 * 8 * 2  # one bf16 block (8 prompt tokens)
+        assert out.usage["kv_transfer_bytes"] == 7 * block
         cl.wait_idle()
 
 

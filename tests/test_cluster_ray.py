@@ -63,17 +63,6 @@ def test_shared_prefix_hits_cache_and_ships_fewer_bytes(cluster, story):
         wait_pools_empty(client)
 
 
-def test_cancellation_frees_blocks_on_both_workers(cluster, story):
-    with RouterClient(cluster.address) as client:
-        streams = [client.stream(make_request(story[:50], max_tokens=400, ignore_eos=True), timeout=60)
-                   for _ in range(4)]
-        for s in streams:
-            next(s)
-        for s in streams:
-            s.cancel()
-        wait_pools_empty(client)
-
-
 def test_sigkill_decode_worker_mid_stream(cluster, story):
     """Runs last on each cluster: afterwards one decode worker is gone."""
     pids = cluster.worker_pids()

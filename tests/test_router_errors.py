@@ -75,22 +75,8 @@ def test_duplicate_request_id(cluster):
     assert err.code() == grpc.StatusCode.ALREADY_EXISTS
 
 
-def test_client_cancel_frees_both_workers(cluster):
-    with cluster.client() as c:
-        stream = c.stream(make_request("Once upon a time", max_tokens=400, ignore_eos=True))
-        for _ in range(3):
-            next(stream)
-        busy = [rt.engine.bm.num_used_blocks for rt in cluster.runtimes()]
-        assert any(busy)
-        stream.cancel()
-    cluster.wait_idle()
-
-
-def test_deadline_reaches_workers(cluster):
-    with cluster.client() as c:
-        err = rpc_error(c, make_request("Once upon a time", max_tokens=450, ignore_eos=True), timeout=0.3)
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    cluster.wait_idle()
+# Cancellation and deadlines: tests/test_cancel_real_work.py (decode slowed by real work, so a
+# request that was not freed would still hold its blocks long after the 2 s bound).
 
 
 def test_scale_without_launcher_is_failed_precondition(cluster):
