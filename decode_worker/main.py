@@ -17,7 +17,8 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
     service = DecodeService(rt)
     if role == "decode":  # colocated workers compute their own KV: nothing arrives
         receiver = make_receiver(cfg.transfer.transport, host=pool.host, port=pool.transfer_port,
-                                 advertise_host=pool.advertise_host, sink=service)
+                                 advertise_host=pool.advertise_host, sink=service,
+                                 partial_timeout_s=cfg.transfer.timeout_s)
         rt.transfer_address = receiver.address
         service.attach(receiver)
     rt.service = service

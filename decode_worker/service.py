@@ -18,6 +18,7 @@ from decode_worker.kv_import import check_header, frame_offset
 from engine import InvalidRequestError, KVReservation, LLMEngine, SamplingParams
 from engine.llm_engine import KVImportError
 from pdcommon.convert import first_token_to_proto, params_from_proto, tokens_to_proto
+from pdcommon.grpc_server import add_service
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 from pdcommon.worker_runtime import WorkerRuntime
@@ -103,14 +104,15 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         self._aloop.call_soon_threadsafe(_resolve, p.arrived, (dict(rx.header.meta), rx.header.total_bytes))
 
     # ---- admission (engine thread) ---------------------------------------------------------------
-    def _admit_local(self, eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> int:
+    def _admit_local(self, eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
+                     resume: list[int]) -> int:
         """Blocks promised to a request prefilled here, or 0 when the pool cannot promise them: a
         promised request is never preempted."""
         need = eng.bm.blocks_needed(len(prompt) + params.max_tokens)
         eng.validate(prompt, params)
         if self.promised + need > eng.bm.num_blocks or not eng.scheduler.has_free_slot:
             return 0
-        eng.add_request(rid, prompt, params)
+        eng.add_request(rid, prompt, params, False, resume)
         self.promised += need
         return need
 
@@ -125,17 +127,23 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         if self.rt.state == "draining":
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False))
             return
-        local = request.prefill_here
+        local, resume = request.prefill_here, list(request.resume_token_ids)
         q = loop.open_stream(rid)
         try:
             if local:
-                held, blocks = 0, await loop.call(self._admit_local, eng, rid, prompt, params)
+                held, blocks = 0, await loop.call(self._admit_local, eng, rid, prompt, params, resume)
             else:
-                res = await loop.call(eng.reserve_import, rid, prompt, params, len(prompt) + params.max_tokens)
+                res = await loop.call(eng.reserve_import, rid, prompt, params, len(prompt) + params.max_tokens, resume)
                 held, blocks = (res.num_held_blocks, len(res.block_ids)) if res is not None else (0, 0)
         except InvalidRequestError as e:
             loop.close_stream(rid, q)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:
+            # Cancelled while the engine thread admits it: whatever it reserves is freed after it
+            # (commands run in order), so a cancel during reservation leaks nothing.
+            loop.close_stream(rid, q)
+            loop.call(eng.abort_request, rid, False)
+            raise
         if not blocks:
             loop.close_stream(rid, q)
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False, free_blocks=self._free_blocks()))
@@ -195,6 +203,9 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         out = await q.get()
         yield wpb.DecodeResponse(tokens=tokens_to_proto(out, **kv))
 
+    def gauges(self) -> dict[str, int]:
+        return {"partial_transfers": getattr(self.receiver, "num_partial", 0)}
+
     def _free_blocks(self) -> int:
         st = self.rt.engine_loop.stats
         return st.num_blocks - self.promised if self.rt.role == "colocated" else st.free_blocks
@@ -216,4 +227,4 @@ def _resolve(fut: asyncio.Future, value) -> None:
 
 
 def add_to_server(server: grpc.aio.Server, service: DecodeService) -> None:
-    wrpc.add_DecodeWorkerServicer_to_server(service, server)
+    add_service(server, service, wpb.DESCRIPTOR.services_by_name["DecodeWorker"])

@@ -39,6 +39,7 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0  # tokens looked up
         self.prefix_hits = 0  # tokens found
+        self.total_refs = 0  # sum of ref counts: equals the live sequences' block-table lengths
 
     # ---- stats -------------------------------------------------------------------------------
     @property
@@ -95,6 +96,7 @@ class BlockManager:
         if block.ref_cnt == 0:
             del self.free_queue[bid]
         block.ref_cnt += 1
+        self.total_refs += 1
 
     def _pop_free(self) -> int:
         bid, _ = self.free_queue.popitem(last=False)
@@ -105,6 +107,7 @@ class BlockManager:
             block.block_hash = None
             block.token_ids = ()
         block.ref_cnt = 1
+        self.total_refs += 1
         return bid
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, computed: Seq[int] = ()) -> bool:
@@ -156,6 +159,7 @@ class BlockManager:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {bid}")
             block.ref_cnt -= 1
+            self.total_refs -= 1
             if block.ref_cnt == 0:
                 self.free_queue[bid] = None
 

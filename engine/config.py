@@ -22,7 +22,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
     max_num_batched_tokens: int = 2048
     # Sequences in the batch, imported ones still waiting for their KV included.
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256
     # Largest prompt chunk one sequence may compute in a step; None = the whole token budget.
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True

@@ -94,24 +94,31 @@ class LLMEngine:
                                       f"{self.bm.num_blocks}")
 
     def _new_seq(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None,
-                 prefill_only: bool) -> Sequence:
+                 prefill_only: bool, resume: Seq[int] = ()) -> Sequence:
+        """`resume`: output tokens the client already has (a request resumed on another worker).
+        They count as outputs (max_tokens, stop checks, the per-position sampling seed), so the
+        resumed request draws exactly the tokens the first one would have."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
+        resume = list(resume)
+        if len(resume) >= params.max_tokens or any(not 0 <= t < self.spec.vocab_size for t in resume):
+            raise InvalidRequestError(f"cannot resume after {len(resume)} output tokens of max_tokens "
+                                      f"{params.max_tokens} (or a resumed token is outside the vocabulary)")
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.seed is None and not params.greedy:
             # A per-request seed keeps sampling independent of batch composition.
             params.seed = self._rng.getrandbits(62)
-        seq = Sequence(request_id, token_ids, len(token_ids), params, prefill_only=prefill_only)
+        seq = Sequence(request_id, token_ids + resume, len(token_ids), params, prefill_only=prefill_only)
         self.seqs[request_id] = seq
-        self.streams[request_id] = TextStream(self.tokenizer, token_ids, params.stop)
+        self.streams[request_id] = TextStream(self.tokenizer, token_ids + resume, params.stop)
         return seq
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False) -> str:
-        seq = self._new_seq(request_id, prompt, params, prefill_only)
+                    prefill_only: bool = False, resume: Seq[int] = ()) -> str:
+        seq = self._new_seq(request_id, prompt, params, prefill_only, resume)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -220,14 +227,14 @@ class LLMEngine:
         seq = self.seqs.get(request_id)
         if seq is None or seq.status is not SequenceStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV to export")
-        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        prompt = seq.token_ids[:-1]  # every token whose KV is computed (a resumed request's outputs too)
         bs = self.bm.block_size
         hashes = hash_blocks(prompt, bs, seq.block_hashes[:len(prompt) // bs])
         n_blocks = self.bm.blocks_needed(len(prompt))
         frames, counts = self.kv.frames(seq.block_table[skip_blocks:n_blocks], max_frame_bytes)
         shipped = [hashes[i] if i < len(hashes) else None for i in range(skip_blocks, n_blocks)]
         return KVExport(request_id, prompt, self.kv.layout, skip_blocks, shipped, frames, counts,
-                        seq.token_ids[seq.num_prompt_tokens], seq.output_logprobs[0])
+                        seq.token_ids[-1], seq.output_logprobs[-1])
 
     def release(self, request_id: str) -> None:
         """Drop a prefilled request once its KV has been shipped; its blocks stay in the prefix cache."""
@@ -236,7 +243,7 @@ class LLMEngine:
             self._finish(seq, seq.finish_reason)
 
     def reserve_import(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams,
-                       reserve_tokens: int | None = None) -> KVReservation | None:
+                       reserve_tokens: int | None = None, resume: Seq[int] = ()) -> KVReservation | None:
         """Set aside blocks and a batch slot for an incoming prefilled sequence; None when the pool
         or the batch (max_num_seqs) is full.
 
@@ -245,7 +252,7 @@ class LLMEngine:
         sequence can never be preempted once admitted."""
         if not self.scheduler.has_free_slot:
             return None
-        seq = self._new_seq(request_id, list(prompt_ids), params, prefill_only=False)
+        seq = self._new_seq(request_id, list(prompt_ids), params, prefill_only=False, resume=resume)
         bs = self.bm.block_size
         seq.block_hashes = hash_blocks(seq.token_ids, bs)
         held = self.bm.lookup(seq.block_hashes, seq.token_ids)
@@ -291,7 +298,7 @@ class LLMEngine:
         Returns a final output if the first token already ends the request."""
         seq = self.seqs[request_id]
         self._close_reservation(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_computed_tokens = len(seq.token_ids)
         self.bm.cache_full_blocks(seq)
         self.scheduler.activate(seq)
         out = self._append_token(seq, first_token, first_logprob)
@@ -303,6 +310,10 @@ class LLMEngine:
         if seq is None or seq.first_scheduled_time is None or seq.first_token_time is None:
             return 0.0, 0.0
         return seq.first_scheduled_time - seq.arrival_time, seq.first_token_time - seq.first_scheduled_time
+
+    def orphan_refs(self) -> int:
+        """Block references that no live request holds: 0 unless something leaked."""
+        return self.bm.total_refs - sum(len(s.block_table) for s in self.seqs.values())
 
     def stats(self) -> EngineStats:
         bm = self.bm

@@ -182,5 +182,5 @@ class ModelInfo:
     def vocab_size(self) -> int:
         return self.spec.vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text).input_ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)

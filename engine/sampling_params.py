@@ -43,8 +43,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**63):
-            raise InvalidRequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+                                      or not 0 <= self.seed < 2**64):
+            raise InvalidRequestError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}")

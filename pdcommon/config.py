@@ -75,11 +75,22 @@ class RouterSection(_Strict):
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     port: int = Field(50051, ge=0, le=65535)
-    queue_size: int = Field(256, ge=0)
+    # Requests waiting for decode room; sized so a burst of several hundred streams queues
+    # rather than getting 429s.
+    queue_size: int = Field(4096, ge=0)
     request_timeout_s: float = Field(300.0, gt=0)
     routing: Literal["least_loaded", "prefix_aware"] = "prefix_aware"
-    max_retries: int = Field(1, ge=0)
+    # Attempts after the first: a failed prefill moves to another prefill worker, a lost decode
+    # worker's requests resume on a live pair from the tokens already sent. Bounded in time too.
+    max_retries: int = Field(3, ge=0)
+    retry_window_s: float = Field(60.0, gt=0)  # no new attempt this long after the first failure
+    stall_timeout_s: float = Field(10.0, gt=0)  # longest wait for the next token of a decode stream
+    # A worker dropped as dead (not drained) that has not registered again after this long is
+    # stopped and replaced through the launcher, keeping each pool at its target.
+    replace_after_s: float = Field(5.0, ge=0)
     http_port: int | None = Field(8000, ge=0, le=65535)  # OpenAI-compatible HTTP + /metrics; None: off
+    # Largest request (HTTP body, gRPC message) any component accepts; the same limit router <-> workers.
+    max_request_bytes: int = Field(16 << 20, ge=1 << 16)
 
 
 class TransferSection(_Strict):
@@ -90,12 +101,13 @@ class TransferSection(_Strict):
 
 class HeartbeatSection(_Strict):
     interval_s: float = Field(1.0, gt=0)
-    # A worker silent for this long is dropped; default two intervals.
-    timeout_s: float | None = Field(None, gt=0)
+    # A worker silent this long is dropped. Seconds, not beats: a worker busy with a long step or a
+    # burst of streams can send late. A dead one is usually noticed sooner, by its broken streams.
+    timeout_s: float = Field(10.0, gt=0)
 
     @property
     def dead_after_s(self) -> float:
-        return self.timeout_s or 2 * self.interval_s
+        return max(self.timeout_s, 2 * self.interval_s)
 
 
 class RaySection(_Strict):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import ClassVar
@@ -17,6 +19,7 @@ from engine.model_meta import fingerprint, resolve_model_path
 from pdcommon.config import ClusterConfig
 from pdcommon.convert import layout_to_proto, stats_to_proto
 from pdcommon.engine_loop import EngineLoop
+from pdcommon.grpc_server import make_server
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 
@@ -41,6 +44,7 @@ class WorkerRuntime:
         self.service: object | None = None  # the role's gRPC servicer, for introspection
         self._hb_task: asyncio.Task | None = None
         self._fingerprint: str | None = None
+        self.incarnation = uuid.uuid4().hex  # this process's life: a restart gets a new one
         WorkerRuntime.instances.add(self)
 
     @property
@@ -54,7 +58,7 @@ class WorkerRuntime:
         # Loading takes seconds: keep the event loop free meanwhile.
         self.engine = await loop.run_in_executor(None, LLMEngine, ecfg)
         self.loop_ = EngineLoop(self.engine, loop)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = make_server(self.cfg.router.max_request_bytes)
         add_servicer(self.server)
         port = self.server.add_insecure_port(f"{self.pool.host}:{self.pool.port}")
         await self.server.start()
@@ -62,10 +66,13 @@ class WorkerRuntime:
         self._hb_task = asyncio.create_task(self._heartbeat())
         log.info("%s worker %s serving on %s", self.role, self.worker_id, self.address)
 
-    def status(self, started: float | None = None):
+    async def status(self):
         st = self.engine_loop.stats
+        orphans = await self.engine_loop.call(self.engine.orphan_refs)  # between steps, on the engine thread
+        gauges = self.service.gauges() if hasattr(self.service, "gauges") else {}
         return stats_to_proto(self.worker_id, self.role, self.address, self.state, st, inflight=self.inflight,
-                              requests_served=self.served, reserved_blocks=self.reserved_blocks)
+                              requests_served=self.served, reserved_blocks=self.reserved_blocks,
+                              orphan_blocks=max(orphans, 0), open_fds=_open_fds(), rss_bytes=_rss_bytes(), **gauges)
 
     def info(self) -> wpb.WorkerInfo:
         assert self.engine is not None
@@ -75,9 +82,13 @@ class WorkerRuntime:
         return wpb.WorkerInfo(worker_id=self.worker_id, role=self.role, address=self.address,
                               transfer_address=self.transfer_address, num_blocks=self.engine.bm.num_blocks,
                               block_size=self.engine.bm.block_size, model=path.name,
-                              model_fingerprint=self._fingerprint, kv_layout=layout_to_proto(self.engine.kv_layout))
+                              model_fingerprint=self._fingerprint, kv_layout=layout_to_proto(self.engine.kv_layout),
+                              incarnation=self.incarnation)
 
     async def _heartbeat(self) -> None:
+        """Register, then heartbeat every interval. A failed call (router busy or restarting) is
+        retried as a heartbeat: only a router that no longer knows this worker gets a new
+        registration, so a slow router never makes a live worker look like a new one."""
         interval = self.cfg.heartbeat.interval_s
         registered = False
         async with grpc.aio.insecure_channel(self.router_address) as channel:
@@ -86,18 +97,18 @@ class WorkerRuntime:
                 t0 = time.monotonic()
                 try:
                     if not registered:
-                        reply = await stub.Register(self.info(), timeout=max(interval, 1.0))
+                        reply = await stub.Register(self.info(), timeout=max(interval, 2.0))
                         registered = reply.accepted
                         if not reply.accepted:
                             log.error("router refused %s: %s", self.worker_id, reply.message)
                     if registered:
-                        hb = await stub.Heartbeat(wpb.HeartbeatRequest(worker_id=self.worker_id, status=self.status()),
-                                                  timeout=max(interval, 1.0))
+                        req = wpb.HeartbeatRequest(worker_id=self.worker_id, status=await self.status(),
+                                                   incarnation=self.incarnation)
+                        hb = await stub.Heartbeat(req, timeout=max(interval, 2.0))
                         registered = hb.known
                         if hb.drain:
                             self.state = "draining"
                 except grpc.aio.AioRpcError as e:
-                    registered = False
                     log.debug("heartbeat to %s failed: %s", self.router_address, e.code())
                 await asyncio.sleep(max(interval - (time.monotonic() - t0), 0.01))
 
@@ -119,3 +130,17 @@ class WorkerRuntime:
             await self.server.stop(grace=0.5)
         if self.loop_:
             self.loop_.stop()
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux
+        return 0
+
+
+def _rss_bytes() -> int:
+    try:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

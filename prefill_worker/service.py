@@ -14,6 +14,7 @@ import grpc
 from engine import InvalidRequestError, LLMEngine
 from engine.sequence import SequenceStatus
 from pdcommon.convert import first_token_to_proto, params_from_proto
+from pdcommon.grpc_server import add_service
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 from pdcommon.worker_runtime import WorkerRuntime
@@ -39,6 +40,9 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         self.rt = rt
         self.sender = sender
         self.bytes_sent = 0
+
+    def gauges(self) -> dict[str, int]:
+        return {"peer_sockets": getattr(self.sender, "num_sockets", 0)}
 
     async def _ship(self, rid: str, request: wpb.PrefillRequest) -> None:
         loop, eng, tcfg = self.rt.engine_loop, self.rt.engine, self.rt.cfg.transfer
@@ -73,7 +77,8 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         self.rt.inflight += 1
         try:
             try:
-                await loop.call(eng.add_request, rid, list(request.prompt_token_ids), params, True)
+                await loop.call(eng.add_request, rid, list(request.prompt_token_ids), params, True,
+                                list(request.resume_token_ids))
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out = await q.get()
@@ -89,4 +94,4 @@ class PrefillService(wrpc.PrefillWorkerServicer):
 
 
 def add_to_server(server: grpc.aio.Server, service: PrefillService) -> None:
-    wrpc.add_PrefillWorkerServicer_to_server(service, server)
+    add_service(server, service, wpb.DESCRIPTOR.services_by_name["PrefillWorker"])

@@ -4,6 +4,7 @@ bounded queue until capacity changes or the deadline passes."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import grpc
@@ -67,12 +68,16 @@ class Admission:
         """Open a Decode call on `w`; a lease if it reserved room, None if it had none."""
         call = w.stub.Decode(wpb.DecodeRequest(
             request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
-            transfer_timeout_s=self.transfer_timeout_s, attempt=st.attempt, prefill_here=self.role == "colocated"),
-            timeout=max(st.remaining, 0.001))
+            transfer_timeout_s=self.transfer_timeout_s, attempt=st.attempt, prefill_here=self.role == "colocated",
+            resume_token_ids=st.sent_ids), timeout=max(st.remaining, 0.001))
         # Count the request against the worker now, so concurrent admissions spread out.
         w.inflight[st.request_id] = st.fail
         try:
             first = await call.read()
+        except asyncio.CancelledError:  # the client left while we waited: nothing may stay counted
+            w.inflight.pop(st.request_id, None)
+            call.cancel()
+            raise
         except grpc.aio.AioRpcError as e:
             w.inflight.pop(st.request_id, None)
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -2,9 +2,12 @@
 client at once; the prefill worker ships the KV) -> relay (the decode stream to the client).
 
 The decode stream is the one report of the KV transfer: it fails with DATA_LOSS or ABORTED when
-the KV is rejected or never arrives. Such a failure, or a worker lost before any decode token
-was relayed, raises RetryAttempt, and `_attempts` runs the path again (on another decode worker
-when there is one) until `router.max_retries` is spent."""
+the KV is rejected or never arrives. Such a failure, a worker lost (broken stream, dropped by
+membership) or a decode stream silent for `router.stall_timeout_s` raises RetryAttempt, and
+`_attempts` runs the path again on other workers: it resumes after the tokens the client already
+has (the engines count them as outputs, so seeded sampling draws the same tokens), so the client
+sees one unbroken stream. Retries stop after `router.max_retries` or `router.retry_window_s`;
+an overload refusal (RESOURCE_EXHAUSTED) is never retried."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import math
 import random
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -21,16 +25,20 @@ from engine import InvalidRequestError, KVLayout, ModelInfo
 from engine.hashing import hash_blocks
 from pdcommon.config import ClusterConfig
 from pdcommon.convert import params_from_proto, params_to_proto
+from pdcommon.grpc_server import message_options
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.admission import Admission, Lease
 from router.launcher import Launcher
 from router.membership import Membership, WorkerRecord
+from router.openai_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from router.policy import make_policy
 from router.request import RequestFailed, RequestState, RetryAttempt
 
 log = logging.getLogger(__name__)
 PREFIX_BLOCKS = 64  # leading blocks tracked for prefix-aware routing
+# No tokenizer we know of packs more characters into one token: longer text cannot fit the context.
+MAX_CHARS_PER_TOKEN = 256
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED)
 
 
@@ -38,7 +46,7 @@ class RouterCore:
     def __init__(self, cfg: ClusterConfig, launcher: Launcher | None = None, model: ModelInfo | None = None) -> None:
         self.cfg = cfg
         self.model = model or ModelInfo.load(cfg.model, cfg.engine.max_model_len)
-        self.members = Membership(cfg.heartbeat.dead_after_s)
+        self.members = Membership(cfg.heartbeat.dead_after_s, message_options(cfg.router.max_request_bytes))
         self.policy = make_policy(cfg.router.routing)
         self.launcher = launcher
         self.block_size = cfg.engine.block_size
@@ -53,6 +61,7 @@ class RouterCore:
         # Objects with on_token(st, n, now) / on_finish(st, msg) / on_fail(st, err) / on_abort(st).
         self.observers: list = []
         self.http_address = ""
+        self._cpu = ThreadPoolExecutor(2, thread_name_prefix="router-cpu")
 
     @property
     def waiting(self) -> int:
@@ -77,20 +86,47 @@ class RouterCore:
         return None
 
     # ---- input ---------------------------------------------------------------------------------
-    def parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
+    async def offload(self, fn, *args):
+        """Run CPU-heavy work (tokenizing, templating, detokenizing) off the event loop, so a huge
+        prompt never stalls heartbeats or other streams."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    async def parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
         """Validate and tokenize; a rejected request is counted like any other failure."""
         try:
-            return self._parse(request, time_remaining)
+            self._check_sizes(request)
+            prompt = await self._prompt(request)
+            return self._parse(request, prompt, time_remaining)
         except RequestFailed as e:
             for ob in self.observers:
                 ob.on_fail(None, e)
             raise
 
-    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+    def _check_sizes(self, request: pb.GenerateRequest) -> None:
+        """Limits checked before any work: a prompt that cannot fit the context, too many stop strings."""
+        limit = self.model.max_model_len * MAX_CHARS_PER_TOKEN
+        if request.WhichOneof("prompt") == "text" and len(request.text) > limit:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt is {len(request.text)} characters; the model's context of "
+                                f"{self.model.max_model_len} tokens cannot hold more than {limit}")
+        n_ids = len(request.token_ids.ids)
+        if n_ids > self.model.max_model_len:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"prompt ({n_ids} tokens) exceeds the model's "
+                                                                  f"context length {self.model.max_model_len}")
+        stop = request.sampling.stop
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} strings of at "
+                                                                  f"most {MAX_STOP_CHARS} characters")
+        if request.sampling.HasField("top_k") and not (request.sampling.top_k == -1
+                                                       or 1 <= request.sampling.top_k <= self.model.vocab_size):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"top_k must be -1 (off) or in "
+                                f"[1, {self.model.vocab_size}], got {request.sampling.top_k}")
+
+    async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which is None:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "request has no prompt: set text or token_ids")
-        prompt = self.model.encode(request.text) if which == "text" and request.text else \
+        prompt = await self.offload(self.model.encode, request.text) if which == "text" and request.text else \
             list(request.token_ids.ids) if which == "token_ids" else []
         if not prompt:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
@@ -100,8 +136,7 @@ class RouterCore:
                                 f"prompt token id {bad} is outside the vocabulary [0, {self.model.vocab_size})")
         return prompt
 
-    def _parse(self, request: pb.GenerateRequest, time_remaining: float | None) -> RequestState:
-        prompt = self._prompt(request)
+    def _parse(self, request: pb.GenerateRequest, prompt: list[int], time_remaining: float | None) -> RequestState:
         try:
             params = params_from_proto(request.sampling)
         except InvalidRequestError as e:
@@ -145,16 +180,20 @@ class RouterCore:
             self.members.notify()
 
     async def _attempts(self, st: RequestState):
+        r = self.cfg.router
         while True:
             try:
                 async for msg in self._attempt(st):
                     yield msg
                 return
             except RetryAttempt as e:
-                if st.attempt >= self.cfg.router.max_retries:
+                now = time.monotonic()
+                st.first_failure = st.first_failure or now
+                if st.attempt >= r.max_retries or now - st.first_failure > r.retry_window_s or st.remaining <= 0:
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, e.message) from e
-                log.warning("retrying request", extra={"request_id": st.request_id, "reason": e.message})
-                st.avoid.add(e.avoid)
+                log.warning("retrying request", extra={"request_id": st.request_id, "reason": e.message,
+                                                        "resume_after": len(st.sent_ids)})
+                st.avoid.add(e.worker)
                 st.attempt += 1
                 st.failure = None
 
@@ -165,59 +204,75 @@ class RouterCore:
         st.decode_worker = lease.worker.worker_id
         try:
             first = await (self._first_local(st, lease) if self.colocated else self._prefill(st, lease))
-            if first is not None:
-                yield first
-                if first.finish_reason:
-                    return
+            yield first
+            if first.finish_reason:
+                return
             async for msg in self._relay(st, lease):
                 yield msg
         finally:
             lease.release(st)
+            self._release_prefill(st)
             for call in st.calls:
                 call.cancel()
             st.calls = []
             lease.worker.served += 1
 
-    async def _prefill(self, st: RequestState, lease: Lease) -> pb.GenerateResponse | None:
-        """The first token from a prefill worker, which then ships the KV to the lease's worker."""
-        pw = self.policy.pick_prefill(self.members.active("prefill"), st.prefix)
+    def _release_prefill(self, st: RequestState) -> None:
+        """The request no longer depends on its prefill worker (its KV landed, or the attempt ended)."""
+        if st.prefill_rec is not None:
+            st.prefill_rec.inflight.pop(st.request_id, None)
+            st.prefill_rec = None
+
+    def _pick_prefill(self, st: RequestState) -> WorkerRecord:
+        active = self.members.active("prefill")
+        fresh = [w for w in active if w.worker_id not in st.avoid]
+        pw = self.policy.pick_prefill(fresh or active, st.prefix)  # one that failed before only as a last resort
         if pw is None:
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+            raise RetryAttempt("no prefill worker is available", "prefill")
+        return pw
+
+    async def _prefill(self, st: RequestState, lease: Lease) -> pb.GenerateResponse:
+        """The next token from a prefill worker, which then ships the KV to the lease's worker."""
+        pw = self._pick_prefill(st)
         st.prefill_worker = pw.worker_id
         self.policy.record(st.prefix, pw.worker_id, lease.worker.worker_id)
+        # Until its KV lands the request depends on this worker: dropping it fails (retries) the request.
         pw.inflight[st.request_id] = st.fail
-        try:
-            call = pw.stub.Prefill(wpb.PrefillRequest(
-                request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
-                decode_transfer_address=lease.worker.transfer_address, skip_blocks=lease.reservation.num_held_blocks,
-                transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt), timeout=max(st.remaining, 0.001))
-            st.calls.append(call)  # stays open while the KV ships; cancelled with the attempt
-            msg = await self._read(st, call, pw)
-        finally:
-            pw.inflight.pop(st.request_id, None)
-            pw.served += 1
+        st.prefill_rec = pw
+        pw.served += 1
+        call = pw.stub.Prefill(wpb.PrefillRequest(
+            request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
+            decode_transfer_address=lease.worker.transfer_address, skip_blocks=lease.reservation.num_held_blocks,
+            transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt, resume_token_ids=st.sent_ids),
+            timeout=max(st.remaining, 0.001))
+        st.calls.append(call)  # stays open while the KV ships; cancelled with the attempt
+        msg = await self._read(st, call, pw)
         if msg is grpc.aio.EOF:
-            raise RetryAttempt(f"prefill worker {pw.worker_id} closed the stream before the first token")
+            raise RetryAttempt(f"prefill worker {pw.worker_id} closed the stream before the first token", "prefill",
+                               pw.worker_id)
         return self._first_token(st, msg.first)
 
-    async def _first_local(self, st: RequestState, lease: Lease) -> pb.GenerateResponse | None:
-        """Colocated: the worker holding the lease computes the first token itself."""
+    async def _first_local(self, st: RequestState, lease: Lease) -> pb.GenerateResponse:
+        """Colocated: the worker holding the lease computes the next token itself."""
         st.prefill_worker = lease.worker.worker_id
         self.policy.record(st.prefix, lease.worker.worker_id, lease.worker.worker_id)
         msg = await self._read(st, lease.call, lease.worker)
         if msg is grpc.aio.EOF or not msg.HasField("first"):
-            raise RequestFailed(grpc.StatusCode.INTERNAL, f"worker {lease.worker.worker_id} sent no first token")
+            raise RetryAttempt(f"worker {lease.worker.worker_id} sent no first token", "colocated",
+                               lease.worker.worker_id)
         return self._first_token(st, msg.first)
 
-    def _first_token(self, st: RequestState, ft: wpb.FirstToken) -> pb.GenerateResponse | None:
+    def _first_token(self, st: RequestState, ft: wpb.FirstToken) -> pb.GenerateResponse:
+        """The token a prefill computed: the request's first, or the next one after a resume."""
         st.cached_tokens, st.prefill_s = ft.cached_tokens, ft.prefill_s
-        if st.first_sent is not None:  # a retry: the client has this token already
-            return self._finish(pb.GenerateResponse(request_id=st.request_id), st, ft.finish_reason) \
-                if ft.finish_reason else None
-        now = time.monotonic()
-        st.queue_s = max(now - st.arrival - ft.prefill_s, 0.0)
-        st.first_sent = st.last_token = now
-        st.completion_tokens = 1
+        if st.first_sent is None:
+            now = time.monotonic()
+            st.queue_s = max(now - st.arrival - ft.prefill_s, 0.0)
+            st.first_sent = st.last_token = now
+            st.completion_tokens = 1
+        else:
+            self._tokens(st, 1)
+        st.sent_ids.append(ft.token_id)
         msg = pb.GenerateResponse(request_id=st.request_id, token_ids=[ft.token_id], text=ft.text,
                                   logprobs=[ft.logprob], prefill_worker=st.prefill_worker,
                                   decode_worker=st.decode_worker)
@@ -226,16 +281,23 @@ class RouterCore:
         return self._finish(msg, st, ft.finish_reason) if ft.finish_reason else msg
 
     async def _relay(self, st: RequestState, lease: Lease):
+        stall = self.cfg.router.stall_timeout_s
+        first = True
         while True:
-            msg = await self._read(st, lease.call, lease.worker)
+            # The first message waits for the KV (bounded by the transfer timeout on the worker);
+            # after that, a stream silent for `stall` seconds is a hung worker.
+            msg = await self._read(st, lease.call, lease.worker, None if first else stall)
             if msg is grpc.aio.EOF:
                 raise RequestFailed(grpc.StatusCode.INTERNAL,
                                     f"decode worker {lease.worker.worker_id} ended the stream without a finish reason")
+            if first:
+                self._release_prefill(st)  # the KV landed: the prefill worker's fate no longer matters
+                first = False
             tok = msg.tokens
             if tok.kv_transfer_bytes:
                 st.transfer_s, st.transfer_bytes = tok.kv_transfer_s, tok.kv_transfer_bytes
             self._tokens(st, len(tok.token_ids))
-            st.relayed += 1
+            st.sent_ids.extend(tok.token_ids)
             out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
                                       logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
             if tok.finish_reason:
@@ -243,31 +305,35 @@ class RouterCore:
                 return
             yield out
 
-    async def _read(self, st: RequestState, call, worker: WorkerRecord):
+    async def _read(self, st: RequestState, call, worker: WorkerRecord, stall_s: float | None = None):
         """One message from a worker call; a failure becomes RetryAttempt or RequestFailed."""
         try:
-            return await call.read()
+            return await asyncio.wait_for(call.read(), stall_s) if stall_s else await call.read()
+        except TimeoutError:
+            self.members.drop(worker.worker_id, f"stalled: no token for {stall_s:.1f}s")
+            raise RetryAttempt(f"{worker.role} worker {worker.worker_id} stalled (no token for {stall_s:.1f}s)",
+                               worker.role, worker.worker_id) from None
         except asyncio.CancelledError:
             if st.failure is None:
                 raise  # our own task was cancelled (client gone): not a worker failure
-            raise self._failed(st, st.failure.code, st.failure.message) from None
+            raise self._failed(st.failure.code, st.failure.message, worker) from None
         except grpc.aio.AioRpcError as e:
             if st.failure is not None:
-                raise self._failed(st, st.failure.code, st.failure.message) from None
+                raise self._failed(st.failure.code, st.failure.message, worker) from None
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.members.drop(worker.worker_id, f"failed mid-request ({e.details()})")
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and st.remaining <= 0:
                 raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded") from None
             transfer = e.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED)
             what = "KV transfer to" if transfer else f"{worker.role} worker"
-            raise self._failed(st, e.code(), f"{what} {worker.worker_id} failed: {e.details()}") from None
+            raise self._failed(e.code(), f"{what} {worker.worker_id} failed: {e.details()}", worker) from None
 
     @staticmethod
-    def _failed(st: RequestState, code: grpc.StatusCode, message: str) -> Exception:
-        """Retry what another attempt may fix, as long as the client has seen no decode token."""
-        if code in _RETRYABLE and st.relayed == 0:
-            return RetryAttempt(message, avoid=st.decode_worker)
-        return RequestFailed(grpc.StatusCode.UNAVAILABLE if code in _RETRYABLE else code, message)
+    def _failed(code: grpc.StatusCode, message: str, worker: WorkerRecord) -> Exception:
+        """What another attempt may fix is retried; anything else ends the request."""
+        if code in _RETRYABLE:
+            return RetryAttempt(message, worker.role, worker.worker_id)
+        return RequestFailed(code, message)
 
     def _tokens(self, st: RequestState, n: int) -> None:
         now = time.monotonic()

@@ -14,10 +14,20 @@ import grpc
 from aiohttp import ClientConnectionResetError, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdcommon.client import make_request
 from pdcommon.v1 import router_pb2 as pb
 from router.core import RouterCore
 from router.metrics import RouterMetrics
+from router.openai_params import (
+    ApiError,
+    Limits,
+    bad,
+    boolean,
+    check_fields,
+    generate_request,
+    stream_options,
+    text,
+    token_ids,
+)
 from router.request import RequestFailed
 from router.token_text import text_offsets, token_texts
 
@@ -34,27 +44,16 @@ HTTP_STATUS = {
 }
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, etype: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.etype, self.param, self.code = status, message, etype, param, code
-
-    @classmethod
-    def from_failed(cls, e: RequestFailed) -> ApiError:
-        status, etype = HTTP_STATUS.get(e.code, (500, "internal_server_error"))
-        return cls(status, e.message, etype, code=e.code.name.lower())
-
-    def response(self, request_id: str) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.etype, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status, headers={"X-Request-Id": request_id})
+def api_error(e: RequestFailed) -> ApiError:
+    status, etype = HTTP_STATUS.get(e.code, (500, "internal_server_error"))
+    # An overload refusal says when to come back (OpenAI clients and proxies honour Retry-After).
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return ApiError(status, e.message, etype, code=e.code.name.lower(), headers=headers)
 
 
-def _opt(body: dict, name: str, types: tuple, default=None):
-    value = body.get(name, default)
-    if value is not None and (isinstance(value, bool) and bool not in types or not isinstance(value, types)):
-        raise ApiError(400, f"'{name}' must be of type {'/'.join(t.__name__ for t in types)}", param=name)
-    return value
+def error_response(e: ApiError, request_id: str) -> web.Response:
+    body = {"error": {"message": e.message, "type": e.etype, "param": e.param, "code": e.code}}
+    return web.json_response(body, status=e.status, headers={"X-Request-Id": request_id, **e.headers})
 
 
 class OpenAIApi:
@@ -62,7 +61,7 @@ class OpenAIApi:
         self.core = core
         self.metrics = metrics
         self.created = int(time.time())
-        app = web.Application(client_max_size=64 << 20, middlewares=[_errors])
+        app = web.Application(client_max_size=core.cfg.router.max_request_bytes, middlewares=[_errors])
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
@@ -87,7 +86,7 @@ class OpenAIApi:
         try:
             self._check_model({"model": request.match_info["model_id"]})
         except ApiError as e:
-            return e.response(rid)
+            return error_response(e, rid)
         return web.json_response(self._card())
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -97,15 +96,15 @@ class OpenAIApi:
             body = await self._json(request)
             self._check_model(body)
             if "messages" in body:
-                ids = self._chat_ids(body, add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+                ids = await self.core.offload(self._chat_ids, body, boolean(body, "add_generation_prompt", True))
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
                     raise ApiError(400, "'prompt' must be a string", param="prompt")
-                special = _opt(body, "add_special_tokens", (bool,), True)
-                ids = list(self.core.model.tokenizer(prompt, add_special_tokens=special).input_ids)
+                special = boolean(body, "add_special_tokens", True)
+                ids = await self.core.offload(self.core.model.encode, text(prompt, "prompt"), special)
         except ApiError as e:
-            return e.response(rid)
+            return error_response(e, rid)
         return web.json_response({"count": len(ids), "max_model_len": self.core.model.max_model_len, "tokens": ids,
                                   "token_strs": None})
 
@@ -120,8 +119,8 @@ class OpenAIApi:
                                                        and 0 <= t < vocab for t in tokens):
                 raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         except ApiError as e:
-            return e.response(rid)
-        return web.json_response({"prompt": self.core.model.tokenizer.decode(tokens)})
+            return error_response(e, rid)
+        return web.json_response({"prompt": await self.core.offload(self.core.model.tokenizer.decode, tokens)})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -137,28 +136,9 @@ class OpenAIApi:
                            "not_found_error", "model", "model_not_found")
         return self.core.model.name
 
-    def _request(self, body: dict, prompt: str | list[int], rid: str) -> pb.GenerateRequest:
-        n = _opt(body, "n", (int,), 1)
-        if n != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
-        if body.get("echo"):
-            raise ApiError(400, "echo is not supported", param="echo")
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop
-        if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-            raise ApiError(400, "'stop' must be a string or a list of strings", param="stop")
-        logprobs = body.get("logprobs")
-        if body.get("top_logprobs") is not None:
-            logprobs = _opt(body, "top_logprobs", (int,))
-        elif isinstance(logprobs, bool):
-            logprobs = 1 if logprobs else None
-        max_tokens = _opt(body, "max_completion_tokens", (int,)) or _opt(body, "max_tokens", (int,), 16)
-        return make_request(prompt, max_tokens=max_tokens,
-                            temperature=float(_opt(body, "temperature", (int, float), 1.0)),
-                            top_p=_opt(body, "top_p", (int, float)), top_k=_opt(body, "top_k", (int,)),
-                            seed=_opt(body, "seed", (int,)), stop=stop, request_id=rid,
-                            ignore_eos=bool(body.get("ignore_eos", False)),
-                            logprobs=logprobs if isinstance(logprobs, int) else None)
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.core.model.vocab_size, self.core.model.max_model_len)
 
     @staticmethod
     async def _json(request: web.Request) -> dict:
@@ -174,44 +154,52 @@ class OpenAIApi:
         rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
         try:
             body = await self._json(request)
+            check_fields(body, "completion")
             model = self._check_model(body)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
-            if not isinstance(prompt, (str, list)) or (isinstance(prompt, list)
-                                                       and not all(isinstance(t, int) for t in prompt)):
-                raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list with one of those",
-                               param="prompt")
-            req = self._request(body, prompt, rid)
+            if isinstance(prompt, str):
+                prompt = text(prompt, "prompt")
+            elif isinstance(prompt, list):
+                prompt = token_ids(prompt, "prompt", self.core.model.vocab_size)
+            else:
+                raise bad("prompt", "must be a string, a list of token ids, or a list with one of those")
+            req = generate_request(body, prompt, rid, self.limits, chat=False)
             return await self._run(request, body, req, rid, model, chat=False)
         except ApiError as e:
-            return e.response(rid)
+            return error_response(e, rid)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or f"chatcmpl-{uuid.uuid4().hex}"
         try:
             body = await self._json(request)
+            check_fields(body, "chat")
             model = self._check_model(body)
-            req = self._request(body, self._chat_ids(body), rid)
+            generate_request(body, [0], rid, self.limits, chat=True)  # check sampling fields before templating
+            req = generate_request(body, await self.core.offload(self._chat_ids, body), rid, self.limits, chat=True)
             return await self._run(request, body, req, rid, model, chat=True)
         except ApiError as e:
-            return e.response(rid)
+            return error_response(e, rid)
 
     def _chat_ids(self, body: dict, add_generation_prompt: bool = True) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m for m in messages):
-            raise ApiError(400, "'messages' must be a non-empty list of {role, content} objects", param="messages")
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise bad("messages", "must be a non-empty list of {role, content} objects")
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                text(m["content"], "messages")
         tok = self.core.model.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, f"model '{self.core.model.name}' has no chat template; use /v1/completions with a "
                            "plain prompt", param="messages", code="no_chat_template")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            rendered = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as e:
             raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from e
         # The template writes any special tokens itself.
-        return list(tok(text, add_special_tokens=False).input_ids)
+        return list(tok(rendered, add_special_tokens=False).input_ids)
 
     def _usage(self, msg: pb.GenerateResponse) -> dict:
         u = msg.usage
@@ -238,17 +226,16 @@ class OpenAIApi:
     async def _run(self, request: web.Request, body: dict, req: pb.GenerateRequest, rid: str, model: str,
                    chat: bool) -> web.StreamResponse:
         try:
-            st = self.core.parse(req, None)
+            st = await self.core.parse(req, None)
         except RequestFailed as e:
-            raise ApiError.from_failed(e) from e
+            raise api_error(e) from e
         created = int(time.time())
         gen = self.core.generate(st)
         ctx = {"id": rid, "created": created, "model": model, "chat": chat}
         try:
             if not body.get("stream"):
                 return await self._collect(gen, ctx)
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(request, gen, ctx, include_usage)
+            return await self._stream(request, gen, ctx, stream_options(body))
         except (ConnectionResetError, ClientConnectionResetError):
             log.info("client disconnected", extra={"request_id": rid})
             return web.Response(status=499)  # nobody reads it; aiohttp needs a return value
@@ -257,22 +244,22 @@ class OpenAIApi:
 
     async def _collect(self, gen, ctx: dict) -> web.Response:
         chat = ctx["chat"]
-        text, finish, last, lps, offset = "", None, None, [], 0
+        out_text, finish, last, lps, offset = "", None, None, [], 0
         try:
             async for msg in gen:
-                text += msg.text
+                out_text += msg.text
                 lp, offset = self._logprobs(msg, chat, offset)
                 if lp:
                     lps.append(lp)
                 if msg.finish_reason:
                     finish, last = msg.finish_reason, msg
         except RequestFailed as e:
-            raise ApiError.from_failed(e) from e
+            raise api_error(e) from e
         choice = {"index": 0, "finish_reason": finish, "logprobs": _merge(lps, chat)}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = {"role": "assistant", "content": out_text}
         else:
-            choice["text"] = text
+            choice["text"] = out_text
         return web.json_response({"id": ctx["id"], "object": "chat.completion" if chat else "text_completion",
                                   "created": ctx["created"], "model": ctx["model"], "choices": [choice],
                                   "usage": self._usage(last)}, headers={"X-Request-Id": ctx["id"]})
@@ -304,8 +291,8 @@ class OpenAIApi:
                     await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
         except RequestFailed as e:
             if first:  # nothing sent yet: a proper HTTP error
-                raise ApiError.from_failed(e) from e
-            err = ApiError.from_failed(e)
+                raise api_error(e) from e
+            err = api_error(e)
             await resp.write(f"data: {json.dumps({'error': {'message': err.message, 'type': err.etype}})}\n\n"
                              .encode())
         await resp.write(b"data: [DONE]\n\n")
@@ -323,7 +310,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     except Exception as e:
         log.exception("HTTP handler failed")
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error").response(rid)
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error"), rid)
 
 
 def _merge(parts: list[dict], chat: bool) -> dict | None:

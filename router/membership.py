@@ -35,6 +35,7 @@ class WorkerRecord:
     inflight: dict[str, Callable[[grpc.StatusCode, str], None]] = field(default_factory=dict)
     served: int = 0
     pending_blocks: int = 0  # reserved through this router since the last heartbeat
+    incarnation: str = ""
 
     @property
     def free_blocks_estimate(self) -> int:
@@ -55,8 +56,9 @@ class WorkerRecord:
 
 
 class Membership:
-    def __init__(self, dead_after_s: float) -> None:
+    def __init__(self, dead_after_s: float, channel_options: list | None = None) -> None:
         self.dead_after_s = dead_after_s
+        self.channel_options = channel_options or []
         self.workers: dict[str, WorkerRecord] = {}
         self.changed = asyncio.Event()  # set on any capacity change; waiters clear and re-check
         self.on_leave: list[Callable[[WorkerRecord, str], None]] = []
@@ -73,23 +75,26 @@ class Membership:
             pass
 
     def register(self, info: wpb.WorkerInfo) -> WorkerRecord:
-        old = self.workers.pop(info.worker_id, None)
-        if old is not None:
-            self._fail_inflight(old, "re-registered")
-            asyncio.ensure_future(old.channel.close())
-        channel = grpc.aio.insecure_channel(info.address)
+        old = self.workers.get(info.worker_id)
+        if old is not None and old.incarnation == info.incarnation and old.address == info.address:
+            old.last_seen = time.monotonic()  # the same process again (a lost reply): nothing changes
+            return old
+        if old is not None:  # a new process under the same id: the old one is gone
+            self.drop(info.worker_id, "replaced by a new process with the same id")
+        channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
         # A colocated worker is a decode worker that also prefills: same service.
         stub = (wrpc.PrefillWorkerStub if info.role == "prefill" else wrpc.DecodeWorkerStub)(channel)
         rec = WorkerRecord(info.worker_id, info.role, info.address, info.transfer_address, info.num_blocks,
-                           info.block_size, channel, stub)
+                           info.block_size, channel, stub, incarnation=info.incarnation)
         self.workers[info.worker_id] = rec
         log.info("worker joined", extra={"worker_id": info.worker_id, "role": info.role, "address": info.address})
         self.notify()
         return rec
 
-    def heartbeat(self, worker_id: str, status: pb.WorkerStatus) -> WorkerRecord | None:
+    def heartbeat(self, worker_id: str, status: pb.WorkerStatus, incarnation: str = "") -> WorkerRecord | None:
+        """None: unknown (dropped, or another process's heartbeat): the worker registers again."""
         rec = self.workers.get(worker_id)
-        if rec is None:
+        if rec is None or (incarnation and incarnation != rec.incarnation):
             return None
         rec.last_seen = time.monotonic()
         rec.status = status
@@ -120,9 +125,18 @@ class Membership:
         return [w for w in self.workers.values() if w.role == role]
 
     async def reap_forever(self, period_s: float) -> None:
+        """Drop workers silent for dead_after_s. Time this loop itself could not run (the router's
+        event loop was blocked) is not held against them: their heartbeats were waiting on us."""
+        last = time.monotonic()
         while True:
             await asyncio.sleep(period_s)
             now = time.monotonic()
+            stall = now - last - period_s
+            last = now
+            if stall > period_s:
+                log.warning("router event loop stalled", extra={"stall_s": round(stall, 2)})
+                for rec in self.workers.values():
+                    rec.last_seen += stall
             for rec in list(self.workers.values()):
                 if now - rec.last_seen > self.dead_after_s:
                     self.drop(rec.worker_id, f"stopped answering (no heartbeat for {now - rec.last_seen:.1f}s)")

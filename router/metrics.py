@@ -13,6 +13,13 @@ from router.request import RequestFailed, RequestState
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0)
+# Per-worker figures from heartbeats that should return to 0 (or their baseline) when idle.
+WORKER_GAUGES = {"used_blocks": "KV blocks referenced (by live requests)",
+                 "orphan_blocks": "KV block references held by no live request (a leak if not 0)",
+                 "partial_transfers": "Incoming KV transfers still waiting for frames",
+                 "peer_sockets": "Open sockets to peers (KV senders)",
+                 "open_fds": "Open file descriptors of the worker process",
+                 "rss_bytes": "Resident memory of the worker process"}
 _ITL = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
         0.75, 1.0, 2.5)
 
@@ -43,6 +50,11 @@ class _ClusterCollector:
                                   labels=["pool", "worker"])
         replicas = GaugeMetricFamily("pdserve:num_replicas", "Active workers per pool", labels=["pool"])
         target = GaugeMetricFamily("pdserve:target_replicas", "Desired workers per pool", labels=["pool"])
+        leaks = {name: GaugeMetricFamily(f"pdserve:worker_{name}", help_, labels=["pool", "worker"])
+                 for name, help_ in WORKER_GAUGES.items()}
+        inflight = GaugeMetricFamily("pdserve:router_inflight_entries", "Per-worker in-flight entries the router "
+                                     "holds (0 when no request is in flight)")
+        active = GaugeMetricFamily("pdserve:router_active_requests", "Requests the router is serving")
         queries = CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in prefix caches")
         hits = CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in prefix caches")
         q_total, h_total = self.retired["queries"], self.retired["hits"]
@@ -55,12 +67,16 @@ class _ClusterCollector:
             for w in workers:
                 if w.status is not None:
                     usage.add_metric([role, w.worker_id], w.status.kv_usage)
+                    for name, fam in leaks.items():
+                        fam.add_metric([role, w.worker_id], getattr(w.status, name))
                     q_total += w.status.prefix_queries
                     h_total += w.status.prefix_hits
         waiting.add_metric(["router"], core.waiting)
+        inflight.add_metric([], sum(len(w.inflight) for w in core.members.workers.values()))
+        active.add_metric([], len(core.active))
         queries.add_metric([], q_total)
         hits.add_metric([], h_total)
-        yield from (running, waiting, usage, replicas, target, queries, hits)
+        yield from (running, waiting, usage, replicas, target, queries, hits, inflight, active, *leaks.values())
 
 
 class RouterMetrics:

@@ -21,11 +21,11 @@ class RequestFailed(Exception):
 
 class RetryAttempt(Exception):
     """This attempt failed in a way another attempt may not (a transfer lost or rejected, a
-    worker gone before any decode token was relayed). `avoid` names the decode worker to skip."""
+    worker gone or stalled). `role`/`worker` name the worker the next attempt avoids."""
 
-    def __init__(self, message: str, avoid: str = "") -> None:
+    def __init__(self, message: str, role: str = "", worker: str = "") -> None:
         super().__init__(message)
-        self.message, self.avoid = message, avoid
+        self.message, self.role, self.worker = message, role, worker
 
 
 @dataclass(slots=True)
@@ -40,11 +40,13 @@ class RequestState:
     failure: RequestFailed | None = None  # set by whoever fails the request from outside (membership)
     calls: list = field(default_factory=list)  # this attempt's open worker calls, cancelled on failure
     attempt: int = 0
-    avoid: set[str] = field(default_factory=set)  # decode workers that failed an earlier attempt
+    avoid: set[str] = field(default_factory=set)  # workers that failed an earlier attempt
+    first_failure: float | None = None
+    sent_ids: list[int] = field(default_factory=list)  # every token the client has: a retry resumes after them
+    prefill_rec: object | None = None  # the prefill worker whose KV this attempt still waits for
     first_sent: float | None = None
     last_token: float | None = None
     completion_tokens: int = 0
-    relayed: int = 0  # decode-stream messages relayed to the client (after the first token)
     cached_tokens: int = 0
     queue_s: float = 0.0
     prefill_s: float = 0.0

@@ -19,6 +19,37 @@ class Scaler:
         self.core = core
         self.adding: dict[str, int] = {role: 0 for role in core.cfg.roles}
         self._tasks: set[asyncio.Task] = set()
+        core.members.on_leave.append(self._on_leave)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_leave(self, rec, why: str) -> None:
+        if why != "drained" and self.core.launcher is not None:
+            self._spawn(self._replace(rec.worker_id, rec.role))
+
+    async def _replace(self, worker_id: str, role: str) -> None:
+        """Self-healing: a worker declared dead gets `replace_after_s` to come back (a SIGSTOPped
+        one that resumes re-registers); after that it is stopped and a new one started if the pool
+        is below its target."""
+        core = self.core
+        await asyncio.sleep(core.cfg.router.replace_after_s)
+        if worker_id in core.members.workers or self.current(role) >= core.targets.get(role, 0):
+            return
+        try:
+            await core.launcher.remove_worker(worker_id)
+        except Exception:
+            log.exception("launcher failed to stop %s", worker_id)
+        self.adding[role] += 1
+        try:
+            new_id = await core.launcher.add_worker(role)
+            log.warning("replaced a dead worker", extra={"worker_id": worker_id, "replacement": new_id})
+        except Exception:
+            log.exception("launcher failed to replace %s", worker_id)
+        finally:
+            self.adding[role] -= 1
 
     def current(self, pool: str) -> int:
         return len(self.core.members.active(pool)) + self.adding[pool]
@@ -49,9 +80,7 @@ class Scaler:
             for w in active[: prev - replicas]:
                 w.state = "draining"
                 draining.append(w.worker_id)
-                task = asyncio.create_task(self._retire(w.worker_id))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._retire(w.worker_id))
         log.info("scale %s: %d -> %d (adding %s, draining %s)", pool, prev, replicas, adding, draining)
         return prev, adding, draining
 

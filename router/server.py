@@ -8,8 +8,9 @@ import logging
 import grpc
 
 from pdcommon.config import ClusterConfig
-from pdcommon.v1 import router_pb2_grpc as rrpc
-from pdcommon.v1 import worker_pb2_grpc as wrpc
+from pdcommon.grpc_server import add_service, make_server
+from pdcommon.v1 import router_pb2 as pb
+from pdcommon.v1 import worker_pb2 as wpb
 from router.core import RouterCore
 from router.launcher import Launcher
 from router.metrics import RouterMetrics
@@ -31,9 +32,9 @@ class RouterServer:
         self._reaper: asyncio.Task | None = None
 
     async def start(self) -> str:
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        rrpc.add_RouterServicer_to_server(RouterService(self.core, self.scaler), self.server)
-        wrpc.add_ControlServicer_to_server(ControlService(self.core), self.server)
+        self.server = make_server(self.cfg.router.max_request_bytes)
+        add_service(self.server, RouterService(self.core, self.scaler), pb.DESCRIPTOR.services_by_name["Router"])
+        add_service(self.server, ControlService(self.core), wpb.DESCRIPTOR.services_by_name["Control"])
         r = self.cfg.router
         port = self.server.add_insecure_port(f"{r.host}:{r.port}")
         if port == 0:

@@ -25,7 +25,7 @@ class RouterService(rrpc.RouterServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            st = self.core.parse(request, context.time_remaining())
+            st = await self.core.parse(request, context.time_remaining())
             async for msg in self.core.generate(st):
                 yield msg
         except RequestFailed as e:
@@ -77,7 +77,7 @@ class ControlService(wrpc.ControlServicer):
         return wpb.RegisterReply(accepted=True)
 
     async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatReply:
-        rec = self.core.members.heartbeat(request.worker_id, request.status)
+        rec = self.core.members.heartbeat(request.worker_id, request.status, request.incarnation)
         if rec is None:
             return wpb.HeartbeatReply(known=False)
         return wpb.HeartbeatReply(known=True, drain=rec.state == "draining")

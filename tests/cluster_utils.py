@@ -41,3 +41,75 @@ def wait_pools_empty(client: RouterClient, timeout: float = 20.0) -> None:
             return
         assert time.monotonic() < end, f"blocks still referenced: {used}"
         time.sleep(HEARTBEAT)
+
+
+class ProcessCluster:
+    """Router and workers as separate `pdserve router|prefill|decode` processes on 127.0.0.1, so a
+    test can SIGKILL or SIGSTOP one worker. Stops (and reaps) everything it started."""
+
+    def __init__(self, model: str, tmp_path: Path, prefill: int = 2, decode: int = 2, **overrides) -> None:
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        import yaml
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cfg = {"model": model, "router": {"port": port, "http_port": 0},
+               "heartbeat": {"interval_s": 0.3, "timeout_s": 2.0}, "engine": {"num_threads": 1}}
+        for key, value in overrides.items():
+            node = cfg
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        path = tmp_path / "cluster.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.address = f"127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "pdserve.cli"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PDSERVE_LOG_FORMAT="text")
+        root = Path(__file__).resolve().parent.parent
+        self.procs: dict[str, subprocess.Popen] = {"router": subprocess.Popen(
+            [*cmd, "router", "--config", str(path)], cwd=root, env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)}
+        for role, n in (("prefill", prefill), ("decode", decode)):
+            for i in range(n):
+                self.procs[f"{role}-{i}"] = subprocess.Popen(
+                    [*cmd, role, "--config", str(path), "--worker-id", f"{role}-{i}"], cwd=root, env=env,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_workers(prefill + decode)
+
+    def wait_workers(self, n: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                with RouterClient(self.address) as c:
+                    if len([w for w in c.status().workers if w.state == "active"]) >= n:
+                        return
+            except Exception:  # router not up yet
+                pass
+            assert time.monotonic() < end, f"{n} workers never registered"
+            time.sleep(0.2)
+
+    def signal(self, name: str, sig: int) -> None:
+        self.procs[name].send_signal(sig)
+
+    def client(self) -> RouterClient:
+        return RouterClient(self.address)
+
+    def stop(self) -> None:
+        import signal
+
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except Exception:
+                p.kill()
+                p.wait(10)

@@ -188,7 +188,7 @@ def test_up_joins_an_existing_ray_cluster():
                      "print(sorted(a['name'] for a in ray.util.list_named_actors(all_namespaces=True)))")
             r = subprocess.run([sys.executable, "-c", probe, f"127.0.0.1:{port}"], capture_output=True, text=True,
                                timeout=120, env=dict(os.environ, RAY_AUTH_MODE="token"))
-            assert "pdserve-router-" in r.stdout and "pdserve-decode-0" in r.stdout, r.stdout + r.stderr
+            assert "-router'" in r.stdout and "-decode-0'" in r.stdout, r.stdout + r.stderr
             r = run_cli("generate", "--router", addr, "--max-tokens", "5", "Once upon a time")
             assert r.returncode == 0, r.stderr
         finally:

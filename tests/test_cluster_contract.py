@@ -88,7 +88,7 @@ def test_per_pool_override_typo_fails_at_load_naming_the_key():
     with pytest.raises(ValidationError, match="KV blocks must have one layout"):
         load_config(None, **{"prefill.engine.block_size": 32})
     cfg = load_config(None, **{"decode.engine.max_num_seqs": 8})
-    assert cfg.engine_config("decode").max_num_seqs == 8 and cfg.engine_config("prefill").max_num_seqs == 64
+    assert cfg.engine_config("decode").max_num_seqs == 8 and cfg.engine_config("prefill").max_num_seqs == 256
 
 
 def test_deprecated_key_warns_and_null_override_applies(tmp_path):

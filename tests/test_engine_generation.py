@@ -237,3 +237,32 @@ def test_random_families_prefix_and_transfer(random_models, arch):
             got[out.request_id]["top_logprobs"] += out.new_top_logprobs
     for i, p in enumerate(prompts):
         check_close(hf_greedy(path, p, 12), got[f"p{i}"], f"{arch} transfer {i}")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_resumed_request_draws_the_same_tokens(stories_path, story_ids, temperature):
+    """A request resumed with the outputs the client already has (failover) continues exactly
+    where the first one would have: locally, and prefilled on one engine then decoded on another."""
+    params = lambda: SamplingParams(max_tokens=40, temperature=temperature, seed=11, ignore_eos=True)  # noqa: E731
+    cfg = EngineConfig(model=stories_path, block_size=16)
+    full = LLMEngine(cfg).generate([story_ids[:30]], params())[0]["token_ids"]
+    sent = full[:15]
+    alone = LLMEngine(cfg).generate([story_ids[:30]], params())  # sanity: deterministic
+    assert alone[0]["token_ids"] == full
+    eng = LLMEngine(cfg)
+    eng.add_request("r", story_ids[:30], params(), resume=sent)
+    rest = []
+    while eng.has_unfinished():
+        rest += [t for o in eng.step() for t in o.new_token_ids]
+    assert sent + rest == full
+    pre, dec = LLMEngine(cfg), LLMEngine(cfg)
+    pre.add_request("m", story_ids[:30], params(), prefill_only=True, resume=sent)
+    first = pre.step()[0].new_token_ids
+    res = dec.reserve_import("m", story_ids[:30], params(), 30 + 40, resume=sent)
+    exp = ship(pre, dec, "m", res)
+    assert exp.first_block * 16 + sum(exp.blocks_per_frame) * 16 >= 30 + 15  # the resumed tokens' KV ships too
+    dec.commit_import("m", exp.first_token, exp.first_logprob)
+    toks = list(first)
+    while dec.has_unfinished():
+        toks += [t for o in dec.step() for t in o.new_token_ids]
+    assert sent + toks == full

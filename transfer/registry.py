@@ -27,9 +27,12 @@ def make_sender(name: str, **kwargs) -> KVSender:
 
 
 def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                  sink: KVSink | None = None) -> KVReceiver:
-    """`sink` is used by transports that stream frames (zmq); the others deliver whole transfers."""
-    kwargs = {"sink": sink} if sink is not None and name == "zmq" else {}
+                  sink: KVSink | None = None, partial_timeout_s: float | None = None) -> KVReceiver:
+    """`sink` is used by transports that stream frames (zmq); the others deliver whole transfers.
+    `partial_timeout_s`: how long a streaming receiver keeps a transfer whose frames stopped."""
+    kwargs: dict = {}
+    if name == "zmq":
+        kwargs = {k: v for k, v in (("sink", sink), ("partial_timeout_s", partial_timeout_s)) if v is not None}
     return _lookup(name)[1](host=host, port=port, advertise_host=advertise_host, **kwargs)
 
 

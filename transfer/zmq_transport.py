@@ -18,6 +18,10 @@ from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHand
 from transfer.wire import KVHeader, TransferError, checksum, verify_frame, verify_layout
 
 DEFAULT_HWM = 1024  # messages queued per peer before senders block: bounds memory held by ZeroMQ
+IDLE_SOCKET_S = 60.0  # a sender closes its socket to a peer unused this long (or whose transfer failed)
+PARTIAL_TIMEOUT_S = 30.0  # a receiver drops a transfer whose frames stop coming for this long
+MAX_PARTIAL = 256  # transfers a receiver holds open at once ...
+MAX_PARTIAL_BYTES = 4 << 30  # ... announcing at most this many bytes together
 HEADER, FRAME = b"H", b"F"  # a transfer is one header message, then one message per frame
 
 
@@ -25,6 +29,7 @@ HEADER, FRAME = b"H", b"F"  # a transfer is one header message, then one message
 class _Incoming:
     ident: bytes
     header: KVHeader
+    deadline: float
     frames: list = field(default_factory=list)
     received: int = 0
     error: str = ""
@@ -40,10 +45,12 @@ class ZmqSender(KVSender):
         self._own_ctx = context is None
         self.hwm = hwm
         self.sockets: dict[str, zmq.Socket] = {}
+        self.last_used: dict[str, float] = {}
         self.open: dict[str, TransferHandle] = {}  # transfer id -> handle
         self._ids = itertools.count()
 
     def _socket(self, dest: str) -> zmq.Socket:
+        self.last_used[dest] = time.monotonic()
         sock = self.sockets.get(dest)
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
@@ -71,9 +78,11 @@ class ZmqSender(KVSender):
                 sock.send_multipart([FRAME, tid, struct.pack("<IQ", i, digest), frame], copy=False)
         except zmq.Again:
             handle.advance(TransferState.FAILED, f"send to {dest} timed out (peer not draining)")
+            self._drop_socket(dest)
             return handle
         except zmq.ZMQError as e:
             handle.advance(TransferState.FAILED, f"send to {dest} failed: {e}")
+            self._drop_socket(dest)
             return handle
         handle.advance(TransferState.SENT)
         self.open[header.transfer_id] = handle
@@ -101,6 +110,27 @@ class ZmqSender(KVSender):
             elif now > handle.deadline:
                 handle.advance(TransferState.FAILED, f"no acknowledgement from {handle.dest} before the timeout")
                 self.open.pop(key)
+                self._drop_socket(handle.dest)  # a silent peer: connect afresh (or never) next time
+        busy = {h.dest for h in self.open.values()}
+        for dest, used in list(self.last_used.items()):
+            if dest not in busy and now - used > IDLE_SOCKET_S:
+                self._drop_socket(dest)
+
+    def _drop_socket(self, dest: str) -> None:
+        """Close the socket to a peer: pending transfers to it are failed first (the caller's own
+        transfer already is), so nothing waits on a socket that no longer exists."""
+        for key, handle in list(self.open.items()):
+            if handle.dest == dest:
+                handle.advance(TransferState.FAILED, f"connection to {dest} closed")
+                self.open.pop(key)
+        sock = self.sockets.pop(dest, None)
+        self.last_used.pop(dest, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    @property
+    def num_sockets(self) -> int:
+        return len(self.sockets)
 
     def abandon(self, handle: TransferHandle) -> None:
         super().abandon(handle)
@@ -120,7 +150,8 @@ class ZmqReceiver(KVReceiver):
     `ack`, which may come from any thread."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 hwm: int = DEFAULT_HWM, sink: KVSink | None = None) -> None:
+                 hwm: int = DEFAULT_HWM, sink: KVSink | None = None, partial_timeout_s: float = PARTIAL_TIMEOUT_S,
+                 max_partial: int = MAX_PARTIAL, max_partial_bytes: int = MAX_PARTIAL_BYTES) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
@@ -134,6 +165,8 @@ class ZmqReceiver(KVReceiver):
         self.address = tcp_address(advertise_host or host, port)
         self.sink = sink
         self._incoming: dict[bytes, _Incoming] = {}
+        self.partial_timeout_s, self.max_partial, self.max_partial_bytes = \
+            partial_timeout_s, max_partial, max_partial_bytes
         self._acks: collections.deque[tuple[bytes, bytes]] = collections.deque()
         self._lock = threading.RLock()
         self._owner: int | None = None  # the thread that polls (and so may use the socket)
@@ -167,8 +200,31 @@ class ZmqReceiver(KVReceiver):
             done = self._on_message(parts)
             if done is not None:
                 out.append(done)
+        self._expire()
         self._flush_acks()
         return out
+
+    @property
+    def num_partial(self) -> int:
+        """Transfers whose header arrived and whose frames have not all come yet."""
+        return len(self._incoming)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for tid, inc in list(self._incoming.items()):
+            if now > inc.deadline:
+                del self._incoming[tid]
+                self._queue_ack(inc.ident, tid.decode(), False, f"frames stopped coming for "
+                                f"{self.partial_timeout_s:.0f}s ({inc.received}/{len(inc.header.frames)} arrived)")
+
+    def _room_for(self, header: KVHeader) -> str:
+        """Why a new transfer cannot be taken now ("" when it can)."""
+        if len(self._incoming) >= self.max_partial:
+            return f"receiver busy: {len(self._incoming)} transfers already open"
+        held = sum(i.header.total_bytes for i in self._incoming.values())
+        if held + header.total_bytes > self.max_partial_bytes:
+            return f"receiver busy: {held} bytes of open transfers, limit {self.max_partial_bytes}"
+        return ""
 
     def _on_message(self, parts) -> ReceivedKV | None:
         ident = parts[0].bytes
@@ -180,7 +236,11 @@ class ZmqReceiver(KVReceiver):
             except TransferError as e:
                 self._queue_ack(ident, "", False, str(e))
                 return None
-            inc = _Incoming(ident, header)
+            busy = self._room_for(header)
+            if busy:
+                self._queue_ack(ident, header.transfer_id, False, busy)
+                return None
+            inc = _Incoming(ident, header, time.monotonic() + self.partial_timeout_s)
             self._incoming[header.transfer_id.encode()] = inc
             if self.sink is not None:
                 try:
@@ -194,6 +254,7 @@ class ZmqReceiver(KVReceiver):
             if inc is None:
                 return None  # a transfer already refused or finished: drop its stragglers
             inc.received += 1
+            inc.deadline = time.monotonic() + self.partial_timeout_s  # still coming: keep it open
             if not inc.error:
                 index, digest = struct.unpack("<IQ", parts[3].bytes)
                 buf = parts[4].buffer

@@ -11,14 +11,17 @@ from pdserve.launch.loop_host import LoopHost, quiet_logging
 from pdserve.launch.ray_launcher import RayLauncher
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+# Ray restarts a router that dies (max_restarts=-1): it binds the same ports (RayCluster fixes
+# them before the first start) and adopts the worker actors, which outlive it and re-register.
+@ray.remote(num_cpus=0, max_restarts=-1)
 class RouterActor:
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, cluster_name: str) -> None:
         quiet_logging()
         from router import RouterServer
 
         self.cfg = ClusterConfig.model_validate(cfg)
-        self.launcher = RayLauncher(cfg)
+        self.launcher = RayLauncher(cfg, cluster_name)
+        self.restarted = bool(self.launcher.adopt())
         self.server: RouterServer | None = None
 
         async def serve(stop: asyncio.Event, started: asyncio.Future) -> None:
@@ -59,6 +62,11 @@ class RouterActor:
 
     def worker_pids(self) -> dict[str, int]:
         return self._run(self.launcher.pids(), 60)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     def shutdown(self) -> None:
         self.host.stop()

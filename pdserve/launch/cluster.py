@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from pathlib import Path
 
@@ -19,6 +20,17 @@ class RayCluster:
         self.address = ""
         self.http_address = ""
         self._own_ray = False
+        self.name = f"pdserve-{uuid.uuid4().hex[:8]}"  # prefix of every actor of this cluster
+
+    def _pin_ports(self) -> None:
+        """Choose concrete ports now: a router that Ray restarts must come back where the workers
+        and clients already look for it."""
+        r = self.cfg.router
+        for attr in ("port", "http_port"):
+            if getattr(r, attr) == 0:
+                with socket.socket() as s:
+                    s.bind((r.host, 0))
+                    setattr(r, attr, s.getsockname()[1])
 
     def start(self, timeout_s: float = 300.0) -> str:
         joining = (self.cfg.ray.address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")
@@ -40,8 +52,9 @@ class RayCluster:
             else:
                 ray.init(address=address, _node_ip_address=r.node_ip_address, log_to_driver=False)
             self._own_ray = True
+        self._pin_ports()
         cfg = self.cfg.model_dump()
-        self.router = RouterActor.options(name=f"pdserve-router-{uuid.uuid4().hex[:8]}").remote(cfg)
+        self.router = RouterActor.options(name=f"{self.name}-router").remote(cfg, self.name)
         self.address = ray.get(self.router.address.remote(120.0), timeout=180)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=60)
         counts = {role: self.cfg.pool(role).replicas for role in self.cfg.roles}
@@ -53,6 +66,11 @@ class RayCluster:
 
         return ray.get(self.router.worker_pids.remote(), timeout=60)
 
+    def router_pid(self) -> int:
+        import ray
+
+        return ray.get(self.router.pid.remote(), timeout=60)
+
     def stop(self) -> None:
         import ray
 
@@ -63,9 +81,21 @@ class RayCluster:
                 log.warning("router shutdown: %r", e)
             ray.kill(self.router, no_restart=True)
             self.router = None
+            self._kill_leftovers()
         if self._own_ray and ray.is_initialized():
             ray.shutdown()
             self._own_ray = False
+
+    def _kill_leftovers(self) -> None:
+        """Worker actors are detached: if the router could not stop them, stop them here."""
+        import ray
+
+        for name in ray.util.list_named_actors():
+            if name.startswith(self.name + "-"):
+                try:
+                    ray.kill(ray.get_actor(name), no_restart=True)
+                except ValueError:
+                    pass
 
     def __enter__(self) -> RayCluster:
         self.start()

@@ -1,30 +1,56 @@
-"""The Launcher the router gets under Ray: workers are Ray actors it creates and kills."""
+"""The Launcher the router gets under Ray: workers are Ray actors it creates and kills.
+
+Worker actors are detached and named `<cluster>-<worker id>`: they do not share the router
+actor's fate, so a router that dies and is restarted by Ray finds them again (`adopt`) while
+they keep serving and re-register with it."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import re
 
 import ray
 
 from pdserve.launch.worker_actor import WorkerActor
 
 log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "colocated")
 
 
 class RayLauncher:
-    def __init__(self, cfg: dict) -> None:
+    def __init__(self, cfg: dict, cluster_name: str) -> None:
         self.cfg = cfg
+        self.cluster_name = cluster_name
         self.router_address = ""
         self.actors: dict[str, ray.actor.ActorHandle] = {}
-        self._ids = {role: itertools.count() for role in ("prefill", "decode", "colocated")}
+        self._ids = {role: itertools.count() for role in ROLES}
+
+    def _actor_name(self, worker_id: str) -> str:
+        return f"{self.cluster_name}-{worker_id}"
+
+    def adopt(self) -> list[str]:
+        """Take over the live worker actors of this cluster (after a router restart)."""
+        pattern = re.compile(rf"^{re.escape(self.cluster_name)}-((\w+)-(\d+))$")
+        top = {role: -1 for role in ROLES}
+        for name in ray.util.list_named_actors():
+            m = pattern.match(name)
+            if m is None or m.group(2) not in top:
+                continue
+            try:
+                self.actors[m.group(1)] = ray.get_actor(name)
+            except ValueError:  # gone between the listing and the lookup
+                continue
+            top[m.group(2)] = max(top[m.group(2)], int(m.group(3)))
+        self._ids = {role: itertools.count(top[role] + 1) for role in ROLES}
+        return sorted(self.actors)
 
     async def add_worker(self, role: str) -> str:
         worker_id = f"{role}-{next(self._ids[role])}"
         threads = str(self.cfg.get("engine", {}).get("num_threads") or 1)
         env = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}
-        actor = WorkerActor.options(name=f"pdserve-{worker_id}-{id(self)}", runtime_env=env).remote(
+        actor = WorkerActor.options(name=self._actor_name(worker_id), lifetime="detached", runtime_env=env).remote(
             self.cfg, role, worker_id, self.router_address)
         self.actors[worker_id] = actor
         return worker_id

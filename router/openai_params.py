@@ -1,0 +1,149 @@
+"""OpenAI request bodies -> GenerateRequest, every field checked before any work is done.
+
+A wrong type or an out-of-range value is an ApiError(400) naming the field; a field pdserve does
+not implement is refused by name rather than silently ignored, unless it carries the value that
+means "off" (frequency_penalty: 0, n: 1, ...), which clients often send."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pdcommon.client import make_request
+from pdcommon.v1 import router_pb2 as pb
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
+          "ignore_eos", "user", "logprobs"}
+FIELDS = {"completion": COMMON | {"prompt", "echo"},
+          "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
+# Fields pdserve does not implement, with the values that leave them off.
+OFF_VALUES = {"best_of": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
+              "logit_bias": ({},), "suffix": ("",), "echo": (False,), "n": (1,), "parallel_tool_calls": (False,),
+              "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, etype: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.etype, self.param, self.code = status, message, etype, param, code
+        self.headers = headers or {}
+
+
+def bad(name: str, message: str) -> ApiError:
+    return ApiError(400, f"'{name}' {message}", param=name, code="invalid_value")
+
+
+def integer(body: dict, name: str, lo: int, hi: int, default: int | None = None, why: str = "") -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise bad(name, f"must be an integer in [{lo}, {hi}]{why}, got {v!r}")
+    return v
+
+
+def number(body: dict, name: str, lo: float, hi: float, default: float | None = None,
+           lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi \
+            or (lo_open and v == lo):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise bad(name, f"must be a number in {interval}, got {v!r}")
+    return float(v)
+
+
+def boolean(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"must be a boolean, got {v!r}")
+    return v
+
+
+def text(value: object, name: str) -> str:
+    """A string that is valid Unicode (a lone surrogate cannot be encoded or tokenized)."""
+    if not isinstance(value, str):
+        raise bad(name, f"must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(name, f"is not valid Unicode ({e.reason} at position {e.start})") from e
+    return value
+
+
+def token_ids(value: list, name: str, vocab: int) -> list[int]:
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise bad(name, f"token ids must be integers in [0, {vocab}), got {t!r}")
+    return value
+
+
+def check_fields(body: dict, kind: str) -> None:
+    for name, value in body.items():
+        if name in FIELDS[kind] and name not in OFF_VALUES:
+            continue
+        if name in OFF_VALUES:
+            if value is None or value in OFF_VALUES[name]:
+                continue
+            only = f"{name}={OFF_VALUES[name][0]!r}"
+            raise ApiError(400, f"'{name}' is not supported by pdserve (only {only})", param=name,
+                           code="unsupported_parameter")
+        raise ApiError(400, f"unknown field '{name}'", param=name, code="unsupported_parameter")
+
+
+def stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS:
+        raise bad("stop", f"must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+    for s in stop:
+        if not text(s, "stop") or len(s) > MAX_STOP_CHARS:
+            raise bad("stop", f"strings must have 1 to {MAX_STOP_CHARS} characters")
+    return stop
+
+
+@dataclass(slots=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+
+
+def stream_options(body: dict) -> bool:
+    """include_usage of a valid stream_options object."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise bad("stream_options", "must be an object like {\"include_usage\": true}")
+    return boolean(opts, "include_usage")
+
+
+def generate_request(body: dict, prompt: str | list[int], rid: str, limits: Limits, chat: bool) -> pb.GenerateRequest:
+    """The sampling fields of a completion or chat body, validated, as a GenerateRequest."""
+    boolean(body, "stream")
+    stream_options(body)
+    ctx = f" (the model's context length is {limits.max_model_len})"
+    max_tokens = integer(body, "max_completion_tokens", 1, limits.max_model_len, why=ctx) if chat else None
+    max_tokens = max_tokens or integer(body, "max_tokens", 1, limits.max_model_len, 16, why=ctx)
+    if chat:
+        want = boolean(body, "logprobs")
+        top = integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+        logprobs = (top if top is not None else 1) if want else None
+    else:
+        logprobs = integer(body, "logprobs", 0, MAX_LOGPROBS)
+    top_k = integer(body, "top_k", -1, limits.vocab_size)
+    if top_k == 0:
+        raise bad("top_k", f"must be -1 (off) or an integer in [1, {limits.vocab_size}], got 0")
+    return make_request(prompt, max_tokens=max_tokens, temperature=number(body, "temperature", 0, 1e6, 1.0),
+                        top_p=number(body, "top_p", 0, 1, lo_open=True), top_k=top_k,
+                        seed=integer(body, "seed", 0, 2**64 - 1), stop=stop_strings(body), request_id=rid,
+                        ignore_eos=boolean(body, "ignore_eos"), logprobs=logprobs)
