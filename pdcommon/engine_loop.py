@@ -43,6 +43,16 @@ class EngineLoop:
         self._cmds.put(run)
         return fut
 
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread between steps; nobody waits for it (callable from any thread)."""
+        def run() -> None:
+            try:
+                fn()
+            except Exception:  # nobody awaits it: log, and keep the engine thread alive
+                log.exception("engine-thread task failed")
+
+        self._cmds.put(run)
+
     def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = q

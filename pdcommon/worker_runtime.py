@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -42,7 +43,9 @@ class WorkerRuntime:
         self.reserved_blocks = 0
         self.state = "active"
         self.service: object | None = None  # the role's gRPC servicer, for introspection
-        self._hb_task: asyncio.Task | None = None
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
+        self._orphans = 0
         self._fingerprint: str | None = None
         self.incarnation = uuid.uuid4().hex  # this process's life: a restart gets a new one
         WorkerRuntime.instances.add(self)
@@ -63,16 +66,22 @@ class WorkerRuntime:
         port = self.server.add_insecure_port(f"{self.pool.host}:{self.pool.port}")
         await self.server.start()
         self.address = f"{self.pool.advertise_host or self.pool.host}:{port}"
-        self._hb_task = asyncio.create_task(self._heartbeat())
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._hb_thread.start()
         log.info("%s worker %s serving on %s", self.role, self.worker_id, self.address)
 
-    async def status(self):
+    def status(self):
+        """A snapshot for the heartbeat (any thread): nothing here waits on the engine."""
         st = self.engine_loop.stats
-        orphans = await self.engine_loop.call(self.engine.orphan_refs)  # between steps, on the engine thread
+        # Counted on the engine thread between steps; the heartbeat sends the last count it has.
+        self.engine_loop.submit(self._count_orphans)
         gauges = self.service.gauges() if hasattr(self.service, "gauges") else {}
         return stats_to_proto(self.worker_id, self.role, self.address, self.state, st, inflight=self.inflight,
                               requests_served=self.served, reserved_blocks=self.reserved_blocks,
-                              orphan_blocks=max(orphans, 0), open_fds=_open_fds(), rss_bytes=_rss_bytes(), **gauges)
+                              orphan_blocks=self._orphans, open_fds=_open_fds(), rss_bytes=_rss_bytes(), **gauges)
+
+    def _count_orphans(self) -> None:
+        self._orphans = max(self.engine.orphan_refs(), 0)
 
     def info(self) -> wpb.WorkerInfo:
         assert self.engine is not None
@@ -85,32 +94,36 @@ class WorkerRuntime:
                               model_fingerprint=self._fingerprint, kv_layout=layout_to_proto(self.engine.kv_layout),
                               incarnation=self.incarnation)
 
-    async def _heartbeat(self) -> None:
-        """Register, then heartbeat every interval. A failed call (router busy or restarting) is
-        retried as a heartbeat: only a router that no longer knows this worker gets a new
-        registration, so a slow router never makes a live worker look like a new one."""
+    def _heartbeat_loop(self) -> None:
+        """Register, then heartbeat every interval, on a thread of its own with a blocking stub: a
+        long engine step or a worker event loop busy with a burst of streams cannot delay it.
+
+        A failed call (router busy or restarting) is retried as a heartbeat: only a router that no
+        longer knows this worker gets a new registration, so a slow router never makes a live
+        worker look like a new one."""
         interval = self.cfg.heartbeat.interval_s
+        timeout = max(interval, 2.0)
         registered = False
-        async with grpc.aio.insecure_channel(self.router_address) as channel:
+        with grpc.insecure_channel(self.router_address) as channel:
             stub = wrpc.ControlStub(channel)
-            while True:
+            while not self._hb_stop.is_set():
                 t0 = time.monotonic()
                 try:
                     if not registered:
-                        reply = await stub.Register(self.info(), timeout=max(interval, 2.0))
+                        reply = stub.Register(self.info(), timeout=timeout)
                         registered = reply.accepted
                         if not reply.accepted:
                             log.error("router refused %s: %s", self.worker_id, reply.message)
                     if registered:
-                        req = wpb.HeartbeatRequest(worker_id=self.worker_id, status=await self.status(),
+                        req = wpb.HeartbeatRequest(worker_id=self.worker_id, status=self.status(),
                                                    incarnation=self.incarnation)
-                        hb = await stub.Heartbeat(req, timeout=max(interval, 2.0))
+                        hb = stub.Heartbeat(req, timeout=timeout)
                         registered = hb.known
                         if hb.drain:
                             self.state = "draining"
-                except grpc.aio.AioRpcError as e:
+                except grpc.RpcError as e:
                     log.debug("heartbeat to %s failed: %s", self.router_address, e.code())
-                await asyncio.sleep(max(interval - (time.monotonic() - t0), 0.01))
+                self._hb_stop.wait(max(interval - (time.monotonic() - t0), 0.01))
 
     async def run(self, add_servicer: Callable[[grpc.aio.Server], None], stop: asyncio.Event | None = None,
                   started: asyncio.Future | None = None) -> None:
@@ -124,8 +137,9 @@ class WorkerRuntime:
             await self.stop()
 
     async def stop(self) -> None:
-        if self._hb_task:
-            self._hb_task.cancel()
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._hb_thread.join, 5)
         if self.server:
             await self.server.stop(grace=0.5)
         if self.loop_:

@@ -19,4 +19,5 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
     try:
         await rt.run(lambda server: add_to_server(server, service), stop, started)
     finally:
+        service.close()
         sender.close()

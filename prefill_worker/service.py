@@ -40,6 +40,17 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         self.rt = rt
         self.sender = sender
         self.bytes_sent = 0
+        # An idle sender is still polled: timeouts fire, and sockets to peers that vanished or
+        # went idle are closed even when no transfer is in flight.
+        self._tidy = asyncio.get_running_loop().create_task(self._housekeeping())
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.sender.poll()
+
+    def close(self) -> None:
+        self._tidy.cancel()
 
     def gauges(self) -> dict[str, int]:
         return {"peer_sockets": getattr(self.sender, "num_sockets", 0)}

@@ -13,7 +13,7 @@ from pdcommon.convert import params_to_proto
 from pdcommon.v1 import worker_pb2 as wpb
 from router.membership import Membership, WorkerRecord
 from router.policy import RoutingPolicy
-from router.request import RequestFailed, RequestState
+from router.request import RequestFailed, RequestState, client_cancelled
 
 
 @dataclass(slots=True)
@@ -67,17 +67,20 @@ class Admission:
     async def _try(self, w: WorkerRecord, st: RequestState, need: int) -> Lease | None:
         """Open a Decode call on `w`; a lease if it reserved room, None if it had none."""
         call = w.stub.Decode(wpb.DecodeRequest(
-            request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
+            request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
             transfer_timeout_s=self.transfer_timeout_s, attempt=st.attempt, prefill_here=self.role == "colocated",
             resume_token_ids=st.sent_ids), timeout=max(st.remaining, 0.001))
         # Count the request against the worker now, so concurrent admissions spread out.
         w.inflight[st.request_id] = st.fail
         try:
             first = await call.read()
-        except asyncio.CancelledError:  # the client left while we waited: nothing may stay counted
+        except asyncio.CancelledError:
             w.inflight.pop(st.request_id, None)
             call.cancel()
-            raise
+            if client_cancelled():  # the client left while we waited: nothing may stay counted
+                raise
+            st.failure = None  # the worker was dropped (its channel closed) mid-reservation: try another
+            return None
         except grpc.aio.AioRpcError as e:
             w.inflight.pop(st.request_id, None)
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -33,7 +33,7 @@ from router.launcher import Launcher
 from router.membership import Membership, WorkerRecord
 from router.openai_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from router.policy import make_policy
-from router.request import RequestFailed, RequestState, RetryAttempt
+from router.request import RequestFailed, RequestState, RetryAttempt, client_cancelled
 
 log = logging.getLogger(__name__)
 PREFIX_BLOCKS = 64  # leading blocks tracked for prefix-aware routing
@@ -172,6 +172,7 @@ class RouterCore:
                 ob.on_fail(st, e)
             raise
         except (asyncio.CancelledError, GeneratorExit):  # the client went away or cancelled
+            log.info("request cancelled by the client", extra={"request_id": st.request_id})
             for ob in self.observers:
                 ob.on_abort(st)
             raise
@@ -241,7 +242,7 @@ class RouterCore:
         st.prefill_rec = pw
         pw.served += 1
         call = pw.stub.Prefill(wpb.PrefillRequest(
-            request_id=st.request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
+            request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
             decode_transfer_address=lease.worker.transfer_address, skip_blocks=lease.reservation.num_held_blocks,
             transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt, resume_token_ids=st.sent_ids),
             timeout=max(st.remaining, 0.001))
@@ -314,9 +315,11 @@ class RouterCore:
             raise RetryAttempt(f"{worker.role} worker {worker.worker_id} stalled (no token for {stall_s:.1f}s)",
                                worker.role, worker.worker_id) from None
         except asyncio.CancelledError:
-            if st.failure is None:
+            if client_cancelled():
                 raise  # our own task was cancelled (client gone): not a worker failure
-            raise self._failed(st.failure.code, st.failure.message, worker) from None
+            failure = st.failure or RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{worker.role} worker "
+                                                  f"{worker.worker_id}: call cancelled (worker dropped)")
+            raise self._failed(failure.code, failure.message, worker) from None
         except grpc.aio.AioRpcError as e:
             if st.failure is not None:
                 raise self._failed(st.failure.code, st.failure.message, worker) from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,16 @@ class RetryAttempt(Exception):
     def __init__(self, message: str, role: str = "", worker: str = "") -> None:
         super().__init__(message)
         self.message, self.role, self.worker = message, role, worker
+
+
+def client_cancelled() -> bool:
+    """True when the current task itself is being cancelled (the client left or cancelled).
+
+    A CancelledError can also surface from a worker call that gRPC cancelled underneath us (its
+    channel closed when the worker was dropped); that is a worker failure, and treating it as the
+    client's cancel would end the request without ever answering the client."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 @dataclass(slots=True)
@@ -62,6 +73,12 @@ class RequestState:
             self.failure = RequestFailed(code, message)
         for call in self.calls:
             call.cancel()
+
+    @property
+    def worker_request_id(self) -> str:
+        """The id workers know this attempt by: a retry never meets the previous attempt's
+        leftovers (still being cleaned up) on the same worker."""
+        return f"{self.request_id}@{self.attempt}"
 
     @property
     def remaining(self) -> float:

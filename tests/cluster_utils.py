@@ -70,16 +70,19 @@ class ProcessCluster:
         path.write_text(yaml.safe_dump(cfg))
         self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "pdserve.cli"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PDSERVE_LOG_FORMAT="text")
+        env = {"PDSERVE_LOG_FORMAT": "text", **os.environ, "OMP_NUM_THREADS": "1"}
         root = Path(__file__).resolve().parent.parent
-        self.procs: dict[str, subprocess.Popen] = {"router": subprocess.Popen(
-            [*cmd, "router", "--config", str(path)], cwd=root, env=env, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)}
+        self.logs = tmp_path  # each process's output: <name>.log, for a failing test to show
+
+        def start(name: str, *args: str) -> subprocess.Popen:
+            with open(tmp_path / f"{name}.log", "wb") as out:
+                return subprocess.Popen([*cmd, *args, "--config", str(path)], cwd=root, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT)
+
+        self.procs: dict[str, subprocess.Popen] = {"router": start("router", "router")}
         for role, n in (("prefill", prefill), ("decode", decode)):
             for i in range(n):
-                self.procs[f"{role}-{i}"] = subprocess.Popen(
-                    [*cmd, role, "--config", str(path), "--worker-id", f"{role}-{i}"], cwd=root, env=env,
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                self.procs[f"{role}-{i}"] = start(f"{role}-{i}", role, "--worker-id", f"{role}-{i}")
         self.wait_workers(prefill + decode)
 
     def wait_workers(self, n: int, timeout: float = 120) -> None:

@@ -172,3 +172,62 @@ def test_zmq_streams_frames_into_a_sink():
     finally:
         tx.close()
         rx.close()
+
+
+def _pump(sender, handle, rx, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not handle.done and time.monotonic() < end:
+        sender.poll()
+        for item in rx.poll(0.01):
+            item.ack(True)
+
+
+def test_socket_to_a_vanished_peer_is_closed():
+    rx = make_receiver("zmq", host="127.0.0.1")
+    sender = make_sender("zmq")
+    try:
+        header, frames = make_payload()
+        h = sender.send(rx.address, header, frames, timeout_s=10)
+        _pump(sender, h, rx)
+        assert h.state is TransferState.DONE and sender.num_sockets == 1
+        rx.close()  # the decode worker is gone
+        end = time.monotonic() + 5
+        while sender.num_sockets and time.monotonic() < end:
+            sender.poll()
+            time.sleep(0.05)
+        assert sender.num_sockets == 0, "the socket to a vanished peer must be closed"
+    finally:
+        sender.close()
+
+
+def test_partial_transfers_expire_and_are_bounded():
+    import zmq
+
+    from transfer.zmq_transport import HEADER, ZmqReceiver
+
+    rx = ZmqReceiver(host="127.0.0.1", partial_timeout_s=0.5, max_partial=2)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(rx.address)
+    try:
+        for i in range(3):  # headers never followed by their frames
+            header, _ = make_payload()
+            header.request_id, header.transfer_id = f"r{i}", f"t{i}"
+            sock.send_multipart([HEADER, header.encode()])
+        end = time.monotonic() + 2
+        while rx.num_partial < 2 and time.monotonic() < end:
+            rx.poll(0.05)
+        assert rx.num_partial == 2  # the third was refused: at most two held
+        import msgpack
+
+        acks = [msgpack.unpackb(sock.recv()) for _ in range(1)]
+        assert not acks[0]["ok"] and "receiver busy" in acks[0]["err"]
+        time.sleep(0.6)
+        rx.poll(0.05)
+        assert rx.num_partial == 0  # expired with the transfer timeout
+        expired = [msgpack.unpackb(sock.recv()) for _ in range(2)]
+        assert all(not a["ok"] and "stopped coming" in a["err"] for a in expired)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        rx.close()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState
 from transfer.wire import KVHeader, TransferError, checksum, verify_frame, verify_layout
@@ -45,6 +46,7 @@ class ZmqSender(KVSender):
         self._own_ctx = context is None
         self.hwm = hwm
         self.sockets: dict[str, zmq.Socket] = {}
+        self.monitors: dict[str, zmq.Socket] = {}  # connection events per peer: a vanished peer's socket closes
         self.last_used: dict[str, float] = {}
         self.open: dict[str, TransferHandle] = {}  # transfer id -> handle
         self._ids = itertools.count()
@@ -57,6 +59,7 @@ class ZmqSender(KVSender):
             sock.setsockopt(zmq.SNDHWM, self.hwm)
             sock.setsockopt(zmq.RCVHWM, self.hwm)
             sock.setsockopt(zmq.LINGER, 0)
+            self.monitors[dest] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sock.connect(dest if "://" in dest else f"tcp://{dest}")
             self.sockets[dest] = sock
         return sock
@@ -113,8 +116,19 @@ class ZmqSender(KVSender):
                 self._drop_socket(handle.dest)  # a silent peer: connect afresh (or never) next time
         busy = {h.dest for h in self.open.values()}
         for dest, used in list(self.last_used.items()):
-            if dest not in busy and now - used > IDLE_SOCKET_S:
+            if dest not in busy and (now - used > IDLE_SOCKET_S or self._disconnected(dest)):
                 self._drop_socket(dest)
+
+    def _disconnected(self, dest: str) -> bool:
+        """Whether the peer's connection dropped (and has not come back) since the last look."""
+        mon, gone = self.monitors.get(dest), False
+        while mon is not None:
+            try:
+                event = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            gone = event == zmq.EVENT_DISCONNECTED
+        return gone
 
     def _drop_socket(self, dest: str) -> None:
         """Close the socket to a peer: pending transfers to it are failed first (the caller's own
@@ -123,10 +137,13 @@ class ZmqSender(KVSender):
             if handle.dest == dest:
                 handle.advance(TransferState.FAILED, f"connection to {dest} closed")
                 self.open.pop(key)
-        sock = self.sockets.pop(dest, None)
+        sock, mon = self.sockets.pop(dest, None), self.monitors.pop(dest, None)
         self.last_used.pop(dest, None)
         if sock is not None:
+            sock.disable_monitor()
             sock.close(linger=0)
+        if mon is not None:
+            mon.close(linger=0)
 
     @property
     def num_sockets(self) -> int:
@@ -137,9 +154,8 @@ class ZmqSender(KVSender):
         self.open.pop(handle.transfer_id, None)
 
     def close(self) -> None:
-        for sock in self.sockets.values():
-            sock.close(linger=0)
-        self.sockets.clear()
+        for dest in list(self.sockets):
+            self._drop_socket(dest)
         if self._own_ctx:
             self.ctx.term()
 
@@ -191,6 +207,8 @@ class ZmqReceiver(KVReceiver):
         self._flush_acks()
         out: list[ReceivedKV] = []
         if not self.sock.poll(int(timeout_s * 1000)):
+            self._expire()  # an idle receiver still lets go of transfers whose frames stopped
+            self._flush_acks()
             return out
         while True:
             try:
