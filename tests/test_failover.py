@@ -49,7 +49,8 @@ def _run_all(cluster, prompts, started: threading.Event | None = None) -> list:
     def one(i: int) -> None:
         with cluster.client() as c:
             out, gap, last = [], 0.0, None
-            for msg in c.stream(make_request(prompts[i], ignore_eos=True, **REQUESTS[i]), timeout=120):
+            kw = REQUESTS[i % len(REQUESTS)]
+            for msg in c.stream(make_request(prompts[i], ignore_eos=True, **kw), timeout=120):
                 now = time.monotonic()
                 if last is not None:
                     gap = max(gap, now - last)
@@ -126,3 +127,24 @@ def test_cancel_during_reservation_leaves_no_blocks(stories_path, story):
             stream.cancel()
         wait_pools_empty(c)
         cl.wait_idle(timeout=5)
+
+
+@pytest.mark.parametrize("cluster", [2.0], indirect=True)
+def test_requests_waiting_on_a_frozen_decode_worker_move_on(cluster, refs):
+    """Requests admitted to a decode worker that is already frozen wait for its reservation; when
+    it is dropped its channel closes and cancels those calls underneath them. That is a worker
+    failure: they must move to the other decode worker, not end without an answer (the hang the
+    soak found: gRPC sent those clients no status at all)."""
+    prompts, expect = refs
+    cluster.signal("decode-0", signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        results = _run_all(cluster, prompts * 2)  # half of them are routed to the frozen worker first
+        assert time.monotonic() - t0 < 30
+    finally:
+        cluster.signal("decode-0", signal.SIGCONT)
+    for i, (tokens, _) in enumerate(results):
+        assert tokens == expect[i % len(expect)]
+    cluster.wait_workers(4, timeout=30)
+    with cluster.client() as c:
+        wait_pools_empty(c)
