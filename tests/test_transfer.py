@@ -208,6 +208,7 @@ def test_partial_transfers_expire_and_are_bounded():
     rx = ZmqReceiver(host="127.0.0.1", partial_timeout_s=0.5, max_partial=2)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)  # a missing ack fails the test instead of hanging it
     sock.connect(rx.address)
     try:
         for i in range(3):  # headers never followed by their frames
