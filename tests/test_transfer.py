@@ -14,7 +14,6 @@ from transfer import (
     TransferHandle,
     TransferState,
     build_header,
-    frame_runs,
     make_receiver,
     make_sender,
     verify,
@@ -50,9 +49,12 @@ def test_corrupt_and_truncated_are_rejected():
         KVHeader.decode(b"\x93not a header")
 
 
-def test_frame_runs_group_consecutive_blocks():
-    assert frame_runs([4, 5, 6, 9, 10, 2], max_blocks=8) == [(4, 3), (9, 2), (2, 1)]
-    assert frame_runs([1, 2, 3, 4, 5], max_blocks=2) == [(1, 2), (3, 2), (5, 1)]
+def test_block_runs_group_consecutive_blocks():
+    """Frames are runs of consecutive pool blocks (the engine's KV seam builds them)."""
+    from engine.kv_cache import block_runs
+
+    assert block_runs([4, 5, 6, 9, 10, 2], max_blocks=8) == [(4, 3), (9, 2), (2, 1)]
+    assert block_runs([1, 2, 3, 4, 5], max_blocks=2) == [(1, 2), (3, 2), (5, 1)]
 
 
 def test_handle_state_only_moves_forward():

@@ -8,12 +8,11 @@ from transfer.wire import (
     build_header,
     checksum,
     fill_checksums,
-    frame_runs,
     verify,
     verify_frame,
     verify_layout,
 )
 
 __all__ = ["KVHeader", "KVReceiver", "KVSender", "KVSink", "ReceivedKV", "TransferError", "TransferHandle",
-           "TransferState", "build_header", "checksum", "fill_checksums", "frame_runs", "make_receiver", "make_sender",
+           "TransferState", "build_header", "checksum", "fill_checksums", "make_receiver", "make_sender",
            "register_transport", "verify", "verify_frame", "verify_layout"]

@@ -80,18 +80,6 @@ def checksum(buf: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
-def frame_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
-    """Split block ids into runs of consecutive ids (start, count): each run of a block-major
-    pool is one contiguous buffer, so it can go out as one zero-copy frame."""
-    runs: list[tuple[int, int]] = []
-    for bid in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == bid and runs[-1][1] < max_blocks:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((bid, 1))
-    return runs
-
-
 def build_header(request_id: str, dtype: str, block_shape: Sequence[int], block_nbytes: int,
                  block_hashes: Sequence[int | None], frames: Sequence[memoryview], blocks_per_frame: Sequence[int],
                  first_block: int = 0, meta: dict[str, Any] | None = None, checksums: bool = True) -> KVHeader:
