@@ -162,17 +162,23 @@ class RouterCore:
             st.prefill_rec.inflight.pop(st.request_id, None)
             st.prefill_rec = None
 
-    def _pick_prefill(self, st: RequestState) -> WorkerRecord:
-        active = self.members.active("prefill")
-        fresh = [w for w in active if w.worker_id not in st.avoid]
-        pw = self.policy.pick_prefill(fresh or active, st.prefix)  # one that failed before only as a last resort
-        if pw is None:
-            raise RetryAttempt("no prefill worker is available", "prefill")
-        return pw
+    async def _pick_prefill(self, st: RequestState) -> WorkerRecord:
+        """A prefill worker (one that failed this request before only as a last resort). With the
+        pool empty (all lost at once), wait for one to register, as admission waits for room."""
+        end = time.monotonic() + min(self.cfg.router.retry_window_s, max(st.remaining, 0.0))
+        while True:
+            active = self.members.active("prefill")
+            fresh = [w for w in active if w.worker_id not in st.avoid]
+            pw = self.policy.pick_prefill(fresh or active, st.prefix)
+            if pw is not None:
+                return pw
+            if time.monotonic() >= end:
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
+            await self.members.wait_changed(min(end - time.monotonic(), 1.0))
 
     async def _prefill(self, st: RequestState, lease: Lease) -> pb.GenerateResponse:
         """The next token from a prefill worker, which then ships the KV to the lease's worker."""
-        pw = self._pick_prefill(st)
+        pw = await self._pick_prefill(st)
         st.prefill_worker = pw.worker_id
         self.policy.record(st.prefix, pw.worker_id, lease.worker.worker_id)
         # Until its KV lands the request depends on this worker: dropping it fails (retries) the request.
