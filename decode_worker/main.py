@@ -18,7 +18,8 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
     if role == "decode":  # colocated workers compute their own KV: nothing arrives
         receiver = make_receiver(cfg.transfer.transport, host=pool.host, port=pool.transfer_port,
                                  advertise_host=pool.advertise_host, sink=service,
-                                 partial_timeout_s=cfg.transfer.timeout_s)
+                                 partial_timeout_s=cfg.transfer.timeout_s,
+                                 max_frame_bytes=cfg.transfer.max_frame_bytes)
         rt.transfer_address = receiver.address
         service.attach(receiver)
     rt.service = service

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,14 +48,21 @@ def make_request(prompt: str | list[int], max_tokens: int = 16, temperature: flo
     return req
 
 
+def auth_metadata(api_key: str | None = None) -> tuple[tuple[str, str], ...] | None:
+    """The public API's key as gRPC metadata: the one given, else PDSERVE_API_KEY, else none."""
+    key = api_key or os.environ.get("PDSERVE_API_KEY")
+    return (("authorization", f"Bearer {key}"),) if key else None
+
+
 class RouterClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
         self.address = address.removeprefix("grpc://")
         self.channel = grpc.insecure_channel(self.address)
         self.stub = rrpc.RouterStub(self.channel)
+        self.metadata = auth_metadata(api_key)
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Completion:
         out = Completion()
@@ -74,13 +82,13 @@ class RouterClient:
         return out
 
     def status(self) -> pb.ClusterStatusResponse:
-        return self.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10)
+        return self.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=10, metadata=self.metadata)
 
     def health(self) -> pb.HealthResponse:
-        return self.stub.Health(pb.HealthRequest(), timeout=10)
+        return self.stub.Health(pb.HealthRequest(), timeout=10, metadata=self.metadata)
 
     def scale(self, pool: str, replicas: int, timeout: float = 120) -> pb.ScaleResponse:
-        return self.stub.Scale(pb.ScaleRequest(pool=pool, replicas=replicas), timeout=timeout)
+        return self.stub.Scale(pb.ScaleRequest(pool=pool, replicas=replicas), timeout=timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -91,6 +91,11 @@ class RouterSection(_Strict):
     http_port: int | None = Field(8000, ge=0, le=65535)  # OpenAI-compatible HTTP + /metrics; None: off
     # Largest request (HTTP body, gRPC message) any component accepts; the same limit router <-> workers.
     max_request_bytes: int = Field(16 << 20, ge=1 << 16)
+    # User API keys for the public API (HTTP Bearer, gRPC `authorization` metadata). Prefer
+    # api_keys_file or the PDSERVE_API_KEYS environment variable: keys in a YAML get committed.
+    api_keys: list[str] = Field(default_factory=list)
+    api_keys_file: str | None = None
+    protect_probes: bool = False  # /health, /metrics and gRPC Health need a key too
 
 
 class TransferSection(_Strict):

@@ -21,9 +21,10 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
 MAX_CONCURRENT_STREAMS = 8192
 
 
-def make_server(max_message_bytes: int) -> grpc.aio.Server:
-    return grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
-                                    *message_options(max_message_bytes)])
+def make_server(max_message_bytes: int, interceptors: list | None = None) -> grpc.aio.Server:
+    return grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", MAX_CONCURRENT_STREAMS),
+        *message_options(max_message_bytes)])
 
 
 class Malformed:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -78,15 +79,17 @@ class GrpcBackend:
     def __init__(self, address: str) -> None:
         import grpc
 
+        from pdcommon.client import auth_metadata
         from pdcommon.v1 import router_pb2_grpc as rrpc
 
         self.channel = grpc.aio.insecure_channel(address.removeprefix("grpc://"))
         self.stub = rrpc.RouterStub(self.channel)
+        self.metadata = auth_metadata()  # PDSERVE_API_KEY, when the router wants one
 
     async def info(self) -> tuple[int, int]:
         from pdcommon.v1 import router_pb2 as pb
 
-        st = await self.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30)
+        st = await self.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30, metadata=self.metadata)
         return st.vocab_size, st.max_model_len
 
     async def run(self, prompt: list[int], max_tokens: int, res: Result) -> None:
@@ -94,7 +97,8 @@ class GrpcBackend:
 
         t0 = time.perf_counter()
         last = t0
-        async for msg in self.stub.Generate(make_request(prompt, max_tokens=max_tokens, ignore_eos=True)):
+        async for msg in self.stub.Generate(make_request(prompt, max_tokens=max_tokens, ignore_eos=True),
+                                            metadata=self.metadata):
             now = time.perf_counter()
             n = len(msg.token_ids)
             if res.output_len == 0:
@@ -115,7 +119,9 @@ class HttpBackend:
         import aiohttp
 
         self.url = url.rstrip("/")
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        key = os.environ.get("PDSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                             headers={"Authorization": f"Bearer {key}"} if key else None)
         self.model = ""
 
     async def info(self) -> tuple[int, int]:

@@ -15,6 +15,7 @@ from aiohttp import ClientConnectionResetError, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdcommon.v1 import router_pb2 as pb
+from router.auth import ApiKeys
 from router.core import RouterCore
 from router.metrics import RouterMetrics
 from router.openai_params import (
@@ -57,11 +58,13 @@ def error_response(e: ApiError, request_id: str) -> web.Response:
 
 
 class OpenAIApi:
-    def __init__(self, core: RouterCore, metrics: RouterMetrics) -> None:
+    def __init__(self, core: RouterCore, metrics: RouterMetrics, keys: ApiKeys | None = None) -> None:
         self.core = core
         self.metrics = metrics
+        self.keys = keys or ApiKeys(frozenset())
         self.created = int(time.time())
-        app = web.Application(client_max_size=core.cfg.router.max_request_bytes, middlewares=[_errors])
+        app = web.Application(client_max_size=core.cfg.router.max_request_bytes,
+                              middlewares=[self._auth, _errors])
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id:.+}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
@@ -298,6 +301,15 @@ class OpenAIApi:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.keys.http_needs_key(request.path) and not self.keys.check(request.headers.get("Authorization")):
+            rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            return error_response(ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                                           "invalid_request_error", code="invalid_api_key"), rid)
+        return await handler(request)
 
 
 @web.middleware

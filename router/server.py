@@ -11,6 +11,7 @@ from pdcommon.config import ClusterConfig
 from pdcommon.grpc_server import add_service, make_server
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
+from router.auth import ApiKeyInterceptor, ApiKeys, load_api_keys
 from router.core import RouterCore
 from router.launcher import Launcher
 from router.metrics import RouterMetrics
@@ -26,13 +27,18 @@ class RouterServer:
         self.core = RouterCore(cfg, launcher)
         self.scaler = Scaler(self.core)
         self.metrics = RouterMetrics(self.core)
+        self.keys = ApiKeys(load_api_keys(cfg.router.api_keys, cfg.router.api_keys_file), cfg.router.protect_probes)
         self._http = None
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self._reaper: asyncio.Task | None = None
 
     async def start(self) -> str:
-        self.server = make_server(self.cfg.router.max_request_bytes)
+        r = self.cfg.router
+        if not self.keys.enabled and r.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("the public API on %s has no API keys: anyone who reaches it may use it (set "
+                        "router.api_keys_file or PDSERVE_API_KEYS)", r.host)
+        self.server = make_server(r.max_request_bytes, [ApiKeyInterceptor(self.keys)])
         add_service(self.server, RouterService(self.core, self.scaler), pb.DESCRIPTOR.services_by_name["Router"])
         add_service(self.server, ControlService(self.core), wpb.DESCRIPTOR.services_by_name["Control"])
         r = self.cfg.router
@@ -52,7 +58,7 @@ class RouterServer:
 
         from router.http_api import OpenAIApi
 
-        api = OpenAIApi(self.core, self.metrics)
+        api = OpenAIApi(self.core, self.metrics, self.keys)
         # handler_cancellation: a client that disconnects cancels its handler, so a non-streaming
         # request stops generating too (aiohttp leaves handlers running by default).
         self._http = web.AppRunner(api.app, access_log=None, handler_cancellation=True)

@@ -234,3 +234,36 @@ def test_partial_transfers_expire_and_are_bounded():
         sock.close(linger=0)
         ctx.term()
         rx.close()
+
+
+def test_decoders_have_limits():
+    """A header or a frame far beyond what pdserve sends is refused before it is held (#9, item 5)."""
+    import zmq
+
+    from transfer.wire import MAX_HEADER_BYTES
+    from transfer.zmq_transport import FRAME, HEADER, ZmqReceiver
+
+    with pytest.raises(TransferError, match="exceeds"):
+        KVHeader.decode(b"\x00" * (MAX_HEADER_BYTES + 1))
+    import msgpack
+
+    with pytest.raises(TransferError, match="malformed"):
+        KVHeader.decode(msgpack.packb({"v": 1, "rid": "x" * (1 << 17)}))  # a 128 KiB string field
+    rx = ZmqReceiver(host="127.0.0.1", max_message_bytes=1 << 20)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(rx.address)
+    try:
+        header, frames = make_payload(n_frames=1, blocks=1, block_nbytes=4 << 20)  # one 4 MiB frame
+        header.transfer_id = "big"
+        sock.send_multipart([HEADER, header.encode()])
+        sock.send_multipart([FRAME, b"big", b"\x00" * 12, frames[0]])
+        end = time.monotonic() + 1.5
+        got = []
+        while time.monotonic() < end:
+            got += rx.poll(0.05)
+        assert not got and rx.num_partial == 1  # the header is held, the oversized frame never arrived
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        rx.close()

@@ -27,12 +27,15 @@ def make_sender(name: str, **kwargs) -> KVSender:
 
 
 def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                  sink: KVSink | None = None, partial_timeout_s: float | None = None) -> KVReceiver:
+                  sink: KVSink | None = None, partial_timeout_s: float | None = None,
+                  max_frame_bytes: int | None = None) -> KVReceiver:
     """`sink` is used by transports that stream frames (zmq); the others deliver whole transfers.
     `partial_timeout_s`: how long a streaming receiver keeps a transfer whose frames stopped."""
     kwargs: dict = {}
     if name == "zmq":
         kwargs = {k: v for k, v in (("sink", sink), ("partial_timeout_s", partial_timeout_s)) if v is not None}
+        if max_frame_bytes is not None:
+            kwargs["max_message_bytes"] = max_frame_bytes + (1 << 20)
     return _lookup(name)[1](host=host, port=port, advertise_host=advertise_host, **kwargs)
 
 

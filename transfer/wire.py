@@ -14,6 +14,10 @@ import msgpack
 import xxhash
 
 WIRE_VERSION = 1
+# A header names a few thousand blocks at most; anything bigger is not a header we sent.
+MAX_HEADER_BYTES = 4 << 20
+_UNPACK_LIMITS = dict(max_str_len=1 << 16, max_bin_len=0, max_ext_len=0,
+                      max_array_len=1 << 20, max_map_len=1 << 10)
 
 
 class TransferError(RuntimeError):
@@ -64,8 +68,10 @@ class KVHeader:
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> KVHeader:
+        if memoryview(data).nbytes > MAX_HEADER_BYTES:
+            raise TransferError(f"KV header of {memoryview(data).nbytes} bytes exceeds {MAX_HEADER_BYTES}")
         try:
-            d = msgpack.unpackb(data, strict_map_key=False)
+            d = msgpack.unpackb(data, strict_map_key=False, **_UNPACK_LIMITS)
             if d.get("v") != WIRE_VERSION:
                 raise TransferError(f"wire version {d.get('v')!r}, expected {WIRE_VERSION}")
             return cls(d["rid"], d["dtype"], list(d["shape"]), int(d["bnb"]), list(d["hashes"]), int(d["first"]),

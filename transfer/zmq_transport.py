@@ -23,6 +23,7 @@ IDLE_SOCKET_S = 60.0  # a sender closes its socket to a peer unused this long (o
 PARTIAL_TIMEOUT_S = 30.0  # a receiver drops a transfer whose frames stop coming for this long
 MAX_PARTIAL = 256  # transfers a receiver holds open at once ...
 MAX_PARTIAL_BYTES = 4 << 30  # ... announcing at most this many bytes together
+MAX_MESSAGE_BYTES = (16 << 20) + (1 << 20)  # one frame (transfer.max_frame_bytes) and its envelope
 HEADER, FRAME = b"H", b"F"  # a transfer is one header message, then one message per frame
 
 
@@ -167,12 +168,15 @@ class ZmqReceiver(KVReceiver):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  hwm: int = DEFAULT_HWM, sink: KVSink | None = None, partial_timeout_s: float = PARTIAL_TIMEOUT_S,
-                 max_partial: int = MAX_PARTIAL, max_partial_bytes: int = MAX_PARTIAL_BYTES) -> None:
+                 max_partial: int = MAX_PARTIAL, max_partial_bytes: int = MAX_PARTIAL_BYTES,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # ZeroMQ drops a peer that sends a bigger message before any of it is buffered here.
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         if port:
             self.sock.bind(tcp_address(host, port))
         else:
