@@ -267,3 +267,25 @@ def test_decoders_have_limits():
         sock.close(linger=0)
         ctx.term()
         rx.close()
+
+
+def test_several_transfers_to_a_silent_peer_all_time_out():
+    """The first timeout closes the socket to that peer and fails the others to it; polling on
+    must not trip over the transfers that closing already settled."""
+    rx = make_receiver("zmq", host="127.0.0.1")  # nobody polls it: no ack ever comes
+    sender = make_sender("zmq")
+    try:
+        handles = []
+        for i in range(3):
+            header, frames = make_payload()
+            header.request_id = f"silent-{i}"
+            handles.append(sender.send(rx.address, header, frames, timeout_s=0.2))
+        end = time.monotonic() + 5
+        while not all(h.done for h in handles) and time.monotonic() < end:
+            sender.poll()
+            time.sleep(0.02)
+        assert all(h.state is TransferState.FAILED for h in handles)
+        assert sender.num_sockets == 0
+    finally:
+        sender.close()
+        rx.close()

@@ -109,6 +109,8 @@ class ZmqSender(KVSender):
                     handle.advance(TransferState.DONE if ok else TransferState.FAILED, ack.get("err", ""))
         now = time.monotonic()
         for key, handle in list(self.open.items()):
+            if key not in self.open:
+                continue  # settled above by _drop_socket, with the other transfers to its peer
             if handle.done:
                 self.open.pop(key)
             elif now > handle.deadline:
