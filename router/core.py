@@ -19,7 +19,7 @@ import grpc
 
 from engine import KVLayout, ModelInfo
 from pdcommon.config import ClusterConfig
-from pdcommon.convert import params_to_proto
+from pdcommon.convert import layout_from_proto, params_to_proto
 from pdcommon.grpc_server import message_options
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
@@ -70,11 +70,11 @@ class RouterCore:
             return (f"worker serves model {info.model!r} (fingerprint {info.model_fingerprint[:12] or 'none'}), "
                     f"the router serves {self.model.name!r} ({self.model.fingerprint[:12]}): config.json or "
                     f"tokenizer differ")
-        want = self.layouts[info.role]
-        got = (info.kv_layout.dtype, tuple(info.kv_layout.block_shape))
-        if got != (want.dtype, want.block_shape):
-            return (f"KV layout {got[0]}{list(got[1])} differs from the {want.dtype}{list(want.block_shape)} "
-                    f"this cluster's {info.role} pool uses (dtype, [layers, 2, block_size, kv_heads, head_dim])")
+        want, got = self.layouts[info.role], layout_from_proto(info.kv_layout)
+        if got != want:
+            return (f"KV layout {got.dtype}{list(got.block_shape)} differs from the {want.dtype}"
+                    f"{list(want.block_shape)} this cluster's {info.role} pool uses "
+                    f"(dtype, [layers, 2, block_size, kv_heads, head_dim])")
         return None
 
     # ---- input ---------------------------------------------------------------------------------
@@ -85,15 +85,13 @@ class RouterCore:
         """Validate and tokenize; a rejected request is counted like any other failure."""
         try:
             st = await self.intake.parse(request, time_remaining)
+            if st.request_id in self.active:
+                raise RequestFailed(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"request id {st.request_id!r} is already in flight")
         except RequestFailed as e:
             for ob in self.observers:
                 ob.on_fail(None, e)
             raise
-        if st.request_id in self.active:
-            e = RequestFailed(grpc.StatusCode.ALREADY_EXISTS, f"request id {st.request_id!r} is already in flight")
-            for ob in self.observers:
-                ob.on_fail(None, e)
-            raise e
         return st
 
     # ---- the request path ----------------------------------------------------------------------
