@@ -182,7 +182,8 @@ def _pop(data: dict, dotted: str) -> tuple[bool, object]:
     return (True, node.pop(leaf)) if leaf in node else (False, None)
 
 
-def _set(data: dict, dotted: str, value: object) -> None:
+def set_dotted(data: dict, dotted: str, value: object) -> None:
+    """data["a"]["b"] = value for dotted "a.b", creating sections on the way."""
     node = data
     *parents, leaf = dotted.split(".")
     for part in parents:
@@ -200,7 +201,7 @@ def _migrate(data: dict) -> None:
                           stacklevel=3)
         else:
             warnings.warn(f"config key {old!r} is deprecated; use {new!r}", DeprecationWarning, stacklevel=3)
-            _set(data, new, value)
+            set_dotted(data, new, value)
 
 
 def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
@@ -216,7 +217,7 @@ def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
         data = yaml.safe_load(os.path.expandvars(p.read_text())) or {}
     _migrate(data)
     for key, value in overrides.items():
-        _set(data, key, value)
+        set_dotted(data, key, value)
     cfg = ClusterConfig.model_validate(data)
     # Workers may run with another working directory (Ray actors, pods): pin the model path now.
     model = Path(cfg.model).expanduser()

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from pdcommon.client import RouterClient
-from pdcommon.config import ClusterConfig, load_config
+from pdcommon.config import ClusterConfig, load_config, set_dotted
 from pdserve.launch.inprocess import InProcessCluster
 
 __all__ = ["InProcessCluster", "cluster_config", "make_config", "wait_pools_empty"]
@@ -61,11 +61,7 @@ class ProcessCluster:
         cfg = {"model": model, "router": {"port": port, "http_port": 0},
                "heartbeat": {"interval_s": 0.3, "timeout_s": 2.0}, "engine": {"num_threads": 1}}
         for key, value in overrides.items():
-            node = cfg
-            *parents, leaf = key.split(".")
-            for part in parents:
-                node = node.setdefault(part, {})
-            node[leaf] = value
+            set_dotted(cfg, key, value)
         path = tmp_path / "cluster.yaml"
         path.write_text(yaml.safe_dump(cfg))
         self.address = f"127.0.0.1:{port}"
