@@ -7,6 +7,13 @@ and landing in the reserved blocks, acknowledged back to the sender. Over ZeroMQ
 stream: each is hashed just before it leaves and checked and landed as it arrives. Baseline in the same run:
 raw ZeroMQ PUSH/PULL of the same bytes with a one-message acknowledgement.
 
+Security (#9): every transfer of the zmq and grpc rows runs twice, interleaved, through the same
+sockets: with security off (no transfer key: no tags made or checked) and in token mode (a
+one-time key per transfer: HMAC-SHA256 tags over the header and every frame's digest, checked
+before landing). `token_vs_off` is their ratio in this run (target >= 0.95). The costs of
+encryption are reported, not targeted: ZeroMQ with CURVE and the gRPC transport over mutual TLS,
+each against its own plain run.
+
 Part 2: TTFT split into queue / prefill / first-token delivery, plus the KV transfer time, for
 128- and 2048-token prompts through a real router + prefill + decode on the 50M model.
 
@@ -58,7 +65,23 @@ def tokens_for(rid: str, n_blocks: int) -> list[int]:
     return [rng.randrange(3, 32000) for _ in range(n_blocks * BLOCK_SIZE)]
 
 
-def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int) -> None:
+def transfer_key(rid: str) -> bytes | None:
+    """Both processes derive each transfer's key from its id; "-off-" transfers have none."""
+    import hashlib
+
+    return None if "-off-" in rid else hashlib.sha256(rid.encode()).digest()
+
+
+def tls_credentials(certs_dir: str | None) -> dict:
+    if not certs_dir:
+        return {}
+    from pdcommon.security import Certs, ClusterIdentity
+
+    return ClusterIdentity("mtls", certs=Certs.load(certs_dir)).transfer_credentials()
+
+
+def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, curve: bool = False,
+                  certs_dir: str | None = None) -> None:
     import threading
 
     import torch
@@ -108,8 +131,10 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int) ->
             land(h, index, buf)
             timings[h.request_id]["check_and_land_s"] += time.perf_counter() - t0
 
-    rx = make_receiver(transport, host="127.0.0.1", sink=Sink())
-    addr_q.put(rx.address)
+    tls = tls_credentials(certs_dir)
+    rx = make_receiver(transport, host="127.0.0.1", sink=Sink(), keys=lambda h: transfer_key(h.request_id),
+                       curve=curve, server_credentials=tls.get("server_credentials"))
+    addr_q.put((rx.address, getattr(rx, "public_key", "")))
     stop = threading.Event()
 
     def loop() -> None:
@@ -141,7 +166,8 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int) ->
     rx.close()
 
 
-def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
+def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = "plain") -> list[dict]:
+    """variant: plain (security off and token, interleaved), curve (zmq) or tls (grpc), token only."""
     import zmq
 
     from engine import KVExport
@@ -154,9 +180,17 @@ def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
     block_nbytes = kv.layout.block_nbytes
     ctx = mp.get_context("spawn")
     addr_q, ctrl_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=receiver_main, args=(transport, addr_q, ctrl_q, result_q, max_blocks), daemon=True)
+    certs_dir = None
+    if variant == "tls":
+        import tempfile
+
+        from pdserve.certs import make_certs
+
+        certs_dir = str(make_certs(Path(tempfile.mkdtemp(prefix="pdbench-certs-"))))
+    proc = ctx.Process(target=receiver_main, daemon=True,
+                       args=(transport, addr_q, ctrl_q, result_q, max_blocks, variant == "curve", certs_dir))
     proc.start()
-    addr = addr_q.get(timeout=60)
+    addr, peer_key = addr_q.get(timeout=60)
     rows = []
     if transport == "raw":
         zctx = zmq.Context()
@@ -188,20 +222,23 @@ def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
         push.send_multipart([b"stop"])
         proc.join(30)
         return rows
-    sender = make_sender(transport)
+    tls = tls_credentials(certs_dir)
+    sender = make_sender(transport, curve=variant == "curve", channel_credentials=tls.get("channel_credentials"),
+                         channel_options=tls.get("channel_options"))
+    modes = ("off", "token") if variant == "plain" else ("token",)
     export_times: dict[str, float] = {}
     totals: dict[str, float] = {}
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
-        for r in range(reps + 1):
-            rid = f"{transport}-{size}-{r}"
+        for r, mode in ((r, m) for r in range(reps + 1) for m in modes):  # interleaved: same noise for both
+            rid = f"{transport}-{variant}-{mode}-{size}-{r}"
             toks = tokens_for(rid, n)
             t0 = time.perf_counter()
             frames, counts = kv.frames(list(range(n)), 16 << 20)
             exp = KVExport(rid, toks, kv.layout, 0, hash_blocks(toks, BLOCK_SIZE), frames, counts, 0, 0.0)
             header, frames = pack_export(exp, attempt=0)
             t1 = time.perf_counter()
-            handle = sender.send(addr, header, frames, timeout_s=120)
+            handle = sender.send(addr, header, frames, timeout_s=120, key=transfer_key(rid), peer_key=peer_key)
             while not handle.done:
                 sender.poll()
                 time.sleep(0.0002)
@@ -213,18 +250,35 @@ def bench_transport(transport: str, sizes: list[int], reps: int) -> list[dict]:
     recv = result_q.get(timeout=60)
     proc.join(30)
     sender.close()
-    for size in sizes:
+    for size, mode in ((s, m) for s in sizes for m in modes):
         n = size * (1 << 20) // block_nbytes
-        rid = min((f"{transport}-{size}-{r}" for r in range(1, reps + 1)), key=lambda k: totals[k])
+        rid = min((f"{transport}-{variant}-{mode}-{size}-{r}" for r in range(1, reps + 1)), key=lambda k: totals[k])
         t = totals[rid]
         land = recv[rid]["check_and_land_s"]
         streamed = recv[rid].get("streamed", False)
-        rows.append({"transport": transport, "mib": size, "seconds": t, "gb_per_s": n * block_nbytes / t / 1e9,
-                     "streamed": streamed,
+        security = {"plain": mode, "curve": "token+curve", "tls": "token+mtls"}[variant]
+        rows.append({"transport": transport, "security": security, "mib": size, "seconds": t,
+                     "gb_per_s": n * block_nbytes / t / 1e9, "streamed": streamed,
                      # Streamed (zmq): checksums and landing overlap the wire, so the parts overlap too.
                      "breakdown_s": {"pack": export_times[rid], "check_and_land": land,
                                      "wire_and_ack": t - export_times[rid] - (0.0 if streamed else land)}})
     return rows
+
+
+def security_summary(rows: list[dict]) -> list[dict]:
+    """Per transport and size: token mode against security off (same run, interleaved), and the
+    encrypted variant against token mode."""
+    by = {(r["transport"], r.get("security"), r["mib"]): r["gb_per_s"] for r in rows}
+    out = []
+    for (transport, security, mib), gbps in by.items():
+        if security != "off":
+            continue
+        row = {"transport": transport, "mib": mib, "token_vs_off": by[(transport, "token", mib)] / gbps}
+        enc = {"zmq": "token+curve", "grpc": "token+mtls"}[transport]
+        if (transport, enc, mib) in by:
+            row.update(encrypted=enc, encrypted_vs_token=by[(transport, enc, mib)] / by[(transport, "token", mib)])
+        out.append(row)
+    return out
 
 
 def ttft_split(quick: bool) -> list[dict]:
@@ -261,16 +315,21 @@ def main() -> int:
     args = ap.parse_args()
     reps = 2 if args.quick else 3
     result: dict = {"throughput": [], "ttft": []}
-    for transport in ("raw", "zmq", "grpc"):
-        result["throughput"] += bench_transport(transport, SIZES_MIB, reps)
+    for transport, variant in (("raw", "plain"), ("zmq", "plain"), ("grpc", "plain"), ("zmq", "curve"),
+                               ("grpc", "tls")):
+        result["throughput"] += bench_transport(transport, SIZES_MIB, reps, variant)
     raw = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_zmq"}
+    result["security"] = security_summary(result["throughput"])
     for r in result["throughput"]:
         r["vs_raw_zmq"] = r["gb_per_s"] / raw[r["mib"]]
-        print(f"{r['transport']:8s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
+        print(f"{r['transport']:8s} {r.get('security', ''):11s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
               f"({100 * r['vs_raw_zmq']:5.1f}% of raw)"
               + (f"  pack {r['breakdown_s']['pack'] * 1e3:.1f} ms, wire+ack "
                  f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "
                  f"{r['breakdown_s']['check_and_land'] * 1e3:.1f} ms" if "breakdown_s" in r else ""))
+    for row in result["security"]:
+        print(f"security {row['transport']:4s} {row['mib']:4d} MiB: token/off {row['token_vs_off']:.3f}"
+              + (f", {row['encrypted']}/token {row['encrypted_vs_token']:.3f}" if "encrypted" in row else ""))
     result["ttft"] = ttft_split(args.quick)
     for r in result["ttft"]:
         print(f"TTFT {r['prompt_len']:5d} tokens: {r['ttft'] * 1e3:7.1f} ms = queue {r['queue'] * 1e3:.1f} + prefill "

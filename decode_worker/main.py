@@ -16,14 +16,22 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
     pool = cfg.pool(role)
     service = DecodeService(rt)
     if role == "decode":  # colocated workers compute their own KV: nothing arrives
-        receiver = make_receiver(cfg.transfer.transport, host=pool.host, port=pool.transfer_port,
-                                 advertise_host=pool.advertise_host, sink=service,
-                                 partial_timeout_s=cfg.transfer.timeout_s,
-                                 max_frame_bytes=cfg.transfer.max_frame_bytes)
+        t = cfg.transfer
+        receiver = make_receiver(t.transport, host=pool.host, port=pool.transfer_port,
+                                 advertise_host=pool.advertise_host, sink=service, partial_timeout_s=t.timeout_s,
+                                 max_frame_bytes=t.max_frame_bytes, keys=service.transfer_key, curve=t.curve,
+                                 max_per_peer=t.max_transfers_per_peer, **_tls(rt, "server_credentials"))
         rt.transfer_address = receiver.address
+        rt.transfer_public_key = getattr(receiver, "public_key", "")
         service.attach(receiver)
     rt.service = service
     try:
         await rt.run(lambda server: add_to_server(server, service), stop, started)
     finally:
         service.close()
+
+
+def _tls(rt: WorkerRuntime, which: str) -> dict:
+    """The gRPC transport's TLS credentials under mtls (ZeroMQ has CURVE instead)."""
+    creds = rt.identity.transfer_credentials() if rt.cfg.transfer.transport == "grpc" else {}
+    return {which: creds[which]} if which in creds else {}

@@ -32,6 +32,7 @@ class PendingImport:
     reservation: KVReservation
     arrived: asyncio.Future  # resolves to (header meta, bytes), or raises TransferError
     attempt: int = 0
+    key: bytes = b""  # the reservation's one-time transfer key: only KV signed with it lands
 
 
 class DecodeService(wrpc.DecodeWorkerServicer):
@@ -73,6 +74,10 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             self.rt.engine.land_kv(res, frame_offset(header, index), buf)
         except KVImportError as e:
             raise TransferError(str(e)) from e
+
+    def transfer_key(self, header: KVHeader) -> bytes:
+        """The receiver's key lookup: KV for no open reservation is refused before any check."""
+        return self._pending_for(header).key
 
     # KVSink: a streaming receiver calls these as the header and each frame arrive.
     def open(self, header: KVHeader) -> None:
@@ -124,6 +129,9 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             params = params_from_proto(request.sampling)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not request.prefill_here and len(request.transfer_key) < 16:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a reservation for imported KV needs a "
+                                "transfer_key of at least 16 bytes (the router makes one per attempt)")
         if self.rt.state == "draining":
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False))
             return
@@ -149,7 +157,8 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False, free_blocks=self._free_blocks()))
             return
         if not local:
-            self.pending[rid] = PendingImport(res, self._aloop.create_future(), request.attempt)
+            self.pending[rid] = PendingImport(res, self._aloop.create_future(), request.attempt,
+                                              bytes(request.transfer_key))
         self.rt.reserved_blocks += blocks
         self.rt.inflight += 1
         finished = False

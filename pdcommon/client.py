@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdcommon.security import ClusterIdentity
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import router_pb2_grpc as rrpc
+from pdcommon.v1 import worker_pb2_grpc as wrpc
 
 
 @dataclass(slots=True)
@@ -87,13 +89,36 @@ class RouterClient:
     def health(self) -> pb.HealthResponse:
         return self.stub.Health(pb.HealthRequest(), timeout=10, metadata=self.metadata)
 
-    def scale(self, pool: str, replicas: int, timeout: float = 120) -> pb.ScaleResponse:
-        return self.stub.Scale(pb.ScaleRequest(pool=pool, replicas=replicas), timeout=timeout, metadata=self.metadata)
+    def control(self, identity: ClusterIdentity) -> ControlClient:
+        """The cluster's internal control plane, at the address this router reports."""
+        return ControlClient(self.status().control_address, identity)
 
     def close(self) -> None:
         self.channel.close()
 
     def __enter__(self) -> RouterClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ControlClient:
+    """Operator calls on the router's internal control plane (cluster credentials required)."""
+
+    def __init__(self, address: str, identity: ClusterIdentity) -> None:
+        self.identity = identity
+        self.channel = identity.channel(address)
+        self.stub = wrpc.ControlStub(self.channel)
+
+    def scale(self, pool: str, replicas: int, timeout: float = 120) -> pb.ScaleResponse:
+        return self.stub.Scale(pb.ScaleRequest(pool=pool, replicas=replicas), timeout=timeout,
+                               metadata=self.identity.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> ControlClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -74,7 +74,11 @@ class PoolsSection(_Strict):
 class RouterSection(_Strict):
     host: str = "127.0.0.1"
     advertise_host: str | None = None
-    port: int = Field(50051, ge=0, le=65535)
+    port: int = Field(50051, ge=0, le=65535)  # the public API (Generate, Health, ClusterStatus)
+    # The internal control plane (workers' Register and Heartbeat, Scale): a port of its own, so a
+    # deployment can expose the public one alone. Bound on control_host (default: host).
+    control_port: int = Field(50052, ge=0, le=65535)
+    control_host: str | None = None
     # Requests waiting for decode room; sized so a burst of several hundred streams queues
     # rather than getting 429s.
     queue_size: int = Field(4096, ge=0)
@@ -97,11 +101,23 @@ class RouterSection(_Strict):
     api_keys_file: str | None = None
     protect_probes: bool = False  # /health, /metrics and gRPC Health need a key too
 
+    @model_validator(mode="after")
+    def _free_ports_together(self) -> RouterSection:
+        # port 0 asks for a free port: unless also given, the control port is then a free one too.
+        if self.port == 0 and "control_port" not in self.model_fields_set:
+            self.control_port = 0
+        return self
+
 
 class TransferSection(_Strict):
     transport: Literal["zmq", "grpc", "fake"] = "zmq"
     timeout_s: float = Field(30.0, gt=0)
     max_frame_bytes: int = Field(16 << 20, ge=1)
+    # Encrypt KV on the wire with ZeroMQ CURVE (zmq transport). Every transfer is authorized by its
+    # one-time key either way; CURVE also hides and protects the bytes from someone on the path.
+    curve: bool = False
+    # Transfers one sending peer may have open at a receiver at once (the rest are refused).
+    max_transfers_per_peer: int = Field(64, ge=1)
 
 
 class HeartbeatSection(_Strict):
@@ -113,6 +129,15 @@ class HeartbeatSection(_Strict):
     @property
     def dead_after_s(self) -> float:
         return max(self.timeout_s, 2 * self.interval_s)
+
+
+class SecuritySection(_Strict):
+    """Cluster identity on the internal control plane (see pdcommon/security.py)."""
+    # token: a shared secret on every internal call; mtls: mutual TLS with the cluster's CA; none:
+    # nothing (explicit, logged). Standalone components refuse to start without their secret.
+    mode: Literal["token", "mtls", "none"] = "token"
+    token_file: str | None = None  # else the PDSERVE_CLUSTER_TOKEN environment variable
+    certs_dir: str | None = None  # ca.pem, node.pem, node.key; else PDSERVE_CERTS_DIR
 
 
 class RaySection(_Strict):
@@ -133,6 +158,7 @@ class ClusterConfig(_Strict):
     pools: PoolsSection | None = None
     transfer: TransferSection = Field(default_factory=TransferSection)
     heartbeat: HeartbeatSection = Field(default_factory=HeartbeatSection)
+    security: SecuritySection = Field(default_factory=SecuritySection)
     ray: RaySection = Field(default_factory=RaySection)
 
     @model_validator(mode="after")

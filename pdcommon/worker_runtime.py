@@ -21,6 +21,7 @@ from pdcommon.config import ClusterConfig
 from pdcommon.convert import layout_to_proto, stats_to_proto
 from pdcommon.engine_loop import EngineLoop
 from pdcommon.grpc_server import make_server
+from pdcommon.security import ClusterIdentity
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 
@@ -31,13 +32,17 @@ class WorkerRuntime:
     instances: ClassVar[weakref.WeakSet[WorkerRuntime]] = weakref.WeakSet()  # live ones, for introspection
 
     def __init__(self, cfg: ClusterConfig, role: str, worker_id: str, router_address: str) -> None:
+        """`router_address`: the router's control port (router.control_port), not its public one."""
         self.cfg, self.role, self.worker_id, self.router_address = cfg, role, worker_id, router_address
+        # Refuses to construct without the secret its security mode needs (SecurityConfigError).
+        self.identity = ClusterIdentity.from_config(cfg.security)
         self.pool = cfg.pool(role)
         self.engine: LLMEngine | None = None
         self.loop_: EngineLoop | None = None
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.transfer_address = ""
+        self.transfer_public_key = ""  # the KV receiver's CURVE key, when KV is encrypted
         self.inflight = 0
         self.served = 0
         self.reserved_blocks = 0
@@ -61,9 +66,12 @@ class WorkerRuntime:
         # Loading takes seconds: keep the event loop free meanwhile.
         self.engine = await loop.run_in_executor(None, LLMEngine, ecfg)
         self.loop_ = EngineLoop(self.engine, loop)
-        self.server = make_server(self.cfg.router.max_request_bytes)
+        self.server = make_server(self.cfg.router.max_request_bytes, self.identity.interceptors())
         add_servicer(self.server)
-        port = self.server.add_insecure_port(f"{self.pool.host}:{self.pool.port}")
+        port = self.identity.bind(self.server, f"{self.pool.host}:{self.pool.port}")
+        if port == 0:
+            raise OSError(f"{self.role} worker cannot bind {self.pool.host}:{self.pool.port}")
+        self.identity.warn_if_open(f"{self.role} worker {self.worker_id}")
         await self.server.start()
         self.address = f"{self.pool.advertise_host or self.pool.host}:{port}"
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -92,7 +100,7 @@ class WorkerRuntime:
                               transfer_address=self.transfer_address, num_blocks=self.engine.bm.num_blocks,
                               block_size=self.engine.bm.block_size, model=path.name,
                               model_fingerprint=self._fingerprint, kv_layout=layout_to_proto(self.engine.kv_layout),
-                              incarnation=self.incarnation)
+                              incarnation=self.incarnation, transfer_public_key=self.transfer_public_key)
 
     def _heartbeat_loop(self) -> None:
         """Register, then heartbeat every interval, on a thread of its own with a blocking stub: a
@@ -104,25 +112,28 @@ class WorkerRuntime:
         interval = self.cfg.heartbeat.interval_s
         timeout = max(interval, 2.0)
         registered = False
-        with grpc.insecure_channel(self.router_address) as channel:
+        md = self.identity.metadata
+        with self.identity.channel(self.router_address) as channel:
             stub = wrpc.ControlStub(channel)
             while not self._hb_stop.is_set():
                 t0 = time.monotonic()
                 try:
                     if not registered:
-                        reply = stub.Register(self.info(), timeout=timeout)
+                        reply = stub.Register(self.info(), timeout=timeout, metadata=md)
                         registered = reply.accepted
                         if not reply.accepted:
                             log.error("router refused %s: %s", self.worker_id, reply.message)
                     if registered:
                         req = wpb.HeartbeatRequest(worker_id=self.worker_id, status=self.status(),
                                                    incarnation=self.incarnation)
-                        hb = stub.Heartbeat(req, timeout=timeout)
+                        hb = stub.Heartbeat(req, timeout=timeout, metadata=md)
                         registered = hb.known
                         if hb.drain:
                             self.state = "draining"
                 except grpc.RpcError as e:
-                    log.debug("heartbeat to %s failed: %s", self.router_address, e.code())
+                    # A router that refuses our credentials will not change its mind: say so loudly.
+                    level = logging.ERROR if e.code() == grpc.StatusCode.UNAUTHENTICATED else logging.DEBUG
+                    log.log(level, "heartbeat to %s failed: %s %s", self.router_address, e.code(), e.details())
                 self._hb_stop.wait(max(interval - (time.monotonic() - t0), 0.01))
 
     async def run(self, add_servicer: Callable[[grpc.aio.Server], None], stop: asyncio.Event | None = None,

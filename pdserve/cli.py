@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import threading
@@ -25,6 +26,8 @@ def _config(args: argparse.Namespace):
         overrides["router.port"] = args.port
     if getattr(args, "http_port", None) is not None:
         overrides["router.http_port"] = args.http_port
+    if getattr(args, "control_port", None) is not None:
+        overrides["router.control_port"] = args.control_port
     if getattr(args, "ray_address", None):
         overrides["ray.address"] = args.ray_address
     from pydantic import ValidationError
@@ -52,16 +55,24 @@ def _wait_for_signal() -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start router + pools as Ray actors; print the router address; stop cleanly on Ctrl-C."""
+    from pdcommon.security import SecurityConfigError
     from pdserve.launch.cluster import RayCluster
 
     cfg = _config(args)
     cluster = RayCluster(cfg)
     t0 = time.perf_counter()
     try:
-        addr = cluster.start()
+        try:
+            addr = cluster.start()
+        except SecurityConfigError as e:
+            raise SystemExit(f"error: {e}") from e
         pools = " + ".join(f"{cfg.pool(r).replicas} {r}" for r in cfg.roles)
         print(f"pdserve router ready at grpc://{addr}  ({pools} workers, {cfg.mode}, {cfg.transfer.transport} "
               f"transfer, {time.perf_counter() - t0:.1f}s)", flush=True)
+        sec = cfg.security
+        where = {"token": f"cluster token in {sec.token_file}", "mtls": f"certificates in {sec.certs_dir}",
+                 "none": "NO authentication"}[sec.mode]
+        print(f"control plane at {cluster.control_address}  (security {sec.mode}: {where})", flush=True)
         if cluster.http_address:
             print(f"OpenAI-compatible HTTP at {cluster.http_address}/v1  (metrics: {cluster.http_address}/metrics)",
                   flush=True)
@@ -155,14 +166,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if all(r["summary"]["completed"] for r in reports) else 1
 
 
+def _operator_identity(args: argparse.Namespace):
+    """Cluster credentials for an operator command: from --config, else the token `pdserve up`
+    left for this router on this machine, else the environment."""
+    from pdcommon.config import load_config
+    from pdcommon.security import TOKEN_ENV, ClusterIdentity, token_path
+
+    if args.config:
+        return ClusterIdentity.from_config(load_config(args.config).security)
+    sec = load_config(None).security
+    saved = token_path(args.router.removeprefix("grpc://"))
+    if saved.exists() and not os.environ.get(TOKEN_ENV):
+        sec.token_file = str(saved)
+    elif os.environ.get("PDSERVE_CERTS_DIR") and not os.environ.get(TOKEN_ENV):
+        sec.mode = "mtls"
+    return ClusterIdentity.from_config(sec)
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
+    """Scale through the internal control plane: the router's public API tells where it is."""
     import grpc
 
-    from pdcommon.client import RouterClient
+    from pdcommon.client import ControlClient, RouterClient
+    from pdcommon.security import SecurityConfigError
 
     try:
-        with RouterClient(args.router) as client:
-            r = client.scale(args.pool, args.replicas)
+        identity = _operator_identity(args)
+        control = args.control
+        if not control:
+            with RouterClient(args.router) as client:
+                control = client.status().control_address
+        with ControlClient(control, identity) as cc:
+            r = cc.scale(args.pool, args.replicas)
+    except SecurityConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -170,7 +208,18 @@ def cmd_scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from pdserve.certs import make_certs
+
+    out = make_certs(args.out, [h for h in args.hosts.split(",") if h], args.days)
+    print(f"wrote ca.pem, node.pem, node.key and ca.key to {out}; point security.certs_dir (or "
+          f"PDSERVE_CERTS_DIR) at it with security.mode: mtls. Keep ca.key off the cluster.")
+    return 0
+
+
 def _run_async(coro) -> int:
+    from pdcommon.security import SecurityConfigError
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -178,7 +227,11 @@ def _run_async(coro) -> int:
             loop.add_signal_handler(sig, stop.set)
         await coro(stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except SecurityConfigError as e:  # a standalone component never makes up its own secret
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -196,11 +249,11 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace, role: str) -> int:
-    import os
     import socket
 
     cfg = _config(args)
-    router_addr = args.router or f"{cfg.router.advertise_host or cfg.router.host}:{cfg.router.port}"
+    r = cfg.router
+    router_addr = args.router or f"{r.advertise_host or r.control_host or r.host}:{r.control_port}"
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     if role == "prefill":
         from prefill_worker import serve
@@ -258,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(p)
     p.add_argument("--port", type=int, default=None, help="router gRPC port (overrides the YAML)")
     p.add_argument("--http-port", type=int, default=None, help="router HTTP port (overrides the YAML)")
+    p.add_argument("--control-port", type=int, default=None, help="router control-plane port (overrides the YAML)")
     p.add_argument("--ray-address", default=None, help="join this running Ray cluster (default: RAY_ADDRESS, "
                    "else the YAML, else an embedded local one)")
     p.set_defaults(func=cmd_up)
@@ -299,21 +353,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench/out/serve")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("scale", help="grow or drain a pool")
-    p.add_argument("--router", default="127.0.0.1:50051")
+    p = sub.add_parser("scale", help="grow or drain a pool (internal control plane: needs cluster credentials)")
+    p.add_argument("--router", default="127.0.0.1:50051", help="the router's public gRPC address")
+    p.add_argument("--control", default=None, help="its control address (default: as the router reports it)")
+    p.add_argument("--config", default=None, help="cluster YAML with the security section (default: the token "
+                   "`pdserve up` keeps for this router, else PDSERVE_CLUSTER_TOKEN / PDSERVE_CERTS_DIR)")
     p.add_argument("--pool", choices=["prefill", "decode", "colocated"], required=True)
     p.add_argument("--replicas", type=int, required=True)
     p.set_defaults(func=cmd_scale)
+
+    p = sub.add_parser("certs", help="make a CA and node certificate for security.mode: mtls")
+    p.add_argument("--out", required=True, help="folder to write (keys are created 0600)")
+    p.add_argument("--hosts", default="", help="extra host names or IPs for the certificate, comma-separated")
+    p.add_argument("--days", type=int, default=365)
+    p.set_defaults(func=cmd_certs)
 
     p = sub.add_parser("router", help="run the router alone (Kubernetes)")
     with_config(p)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--http-port", type=int, default=None)
+    p.add_argument("--control-port", type=int, default=None)
     p.set_defaults(func=cmd_router)
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"run one {role} worker alone (Kubernetes)")
         with_config(p)
-        p.add_argument("--router", default=None, help="router HOST:PORT (default: from the config)")
+        p.add_argument("--router", default=None, help="the router's control plane HOST:PORT (default: "
+                       "router.control_port from the config)")
         p.add_argument("--worker-id", default=None)
         p.set_defaults(func=lambda a, r=role: _cmd_worker(a, r))
 
@@ -322,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=60)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--http-port", type=int, default=0)
+    p.add_argument("--control-port", type=int, default=0)
     p.set_defaults(func=cmd_demo)
 
     return ap

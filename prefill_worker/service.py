@@ -60,7 +60,8 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         exp = await loop.call(eng.export_kv, rid, request.skip_blocks, tcfg.max_frame_bytes)
         header, frames = pack_export(exp, request.attempt)
         handle = self.sender.send(request.decode_transfer_address, header, frames,
-                                  request.transfer_timeout_s or tcfg.timeout_s)
+                                  request.transfer_timeout_s or tcfg.timeout_s, key=request.transfer_key,
+                                  peer_key=request.decode_transfer_public_key)
         delay = 0.0002
         try:
             while not handle.done:

@@ -5,6 +5,7 @@ bounded queue until capacity changes or the deadline passes."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +24,9 @@ class Lease:
     worker: WorkerRecord
     call: object
     reservation: wpb.Reservation
+    # One-time key of this reservation: the decode worker lands only KV signed with it, and the
+    # router gives it to no one but the prefill worker it picks for this attempt.
+    transfer_key: bytes = b""
 
     def release(self, st: RequestState) -> None:
         self.worker.inflight.pop(st.request_id, None)
@@ -66,10 +70,13 @@ class Admission:
 
     async def _try(self, w: WorkerRecord, st: RequestState, need: int) -> Lease | None:
         """Open a Decode call on `w`; a lease if it reserved room, None if it had none."""
+        local = self.role == "colocated"
+        key = b"" if local else secrets.token_bytes(32)
         call = w.stub.Decode(wpb.DecodeRequest(
             request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
-            transfer_timeout_s=self.transfer_timeout_s, attempt=st.attempt, prefill_here=self.role == "colocated",
-            resume_token_ids=st.sent_ids), timeout=max(st.remaining, 0.001))
+            transfer_timeout_s=self.transfer_timeout_s, attempt=st.attempt, prefill_here=local,
+            resume_token_ids=st.sent_ids, transfer_key=key), timeout=max(st.remaining, 0.001),
+            metadata=self.members.identity.metadata)
         # Count the request against the worker now, so concurrent admissions spread out.
         w.inflight[st.request_id] = st.fail
         try:
@@ -95,4 +102,4 @@ class Admission:
             call.cancel()
             return None
         w.pending_blocks += need - first.reservation.num_held_blocks
-        return Lease(w, call, first.reservation)
+        return Lease(w, call, first.reservation, key)

@@ -21,6 +21,7 @@ from engine import KVLayout, ModelInfo
 from pdcommon.config import ClusterConfig
 from pdcommon.convert import layout_from_proto, params_to_proto
 from pdcommon.grpc_server import message_options
+from pdcommon.security import ClusterIdentity
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.admission import Admission, Lease
@@ -35,10 +36,14 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.Statu
 
 
 class RouterCore:
-    def __init__(self, cfg: ClusterConfig, launcher: Launcher | None = None, model: ModelInfo | None = None) -> None:
+    def __init__(self, cfg: ClusterConfig, launcher: Launcher | None = None, model: ModelInfo | None = None,
+                 identity: ClusterIdentity | None = None) -> None:
         self.cfg = cfg
         self.model = model or ModelInfo.load(cfg.model, cfg.engine.max_model_len)
-        self.members = Membership(cfg.heartbeat.dead_after_s, message_options(cfg.router.max_request_bytes))
+        # How the router reaches workers: the cluster's credentials on every call.
+        self.identity = identity or ClusterIdentity.from_config(cfg.security)
+        self.members = Membership(cfg.heartbeat.dead_after_s, message_options(cfg.router.max_request_bytes),
+                                  self.identity)
         self.policy = make_policy(cfg.router.routing)
         self.launcher = launcher
         self.block_size = cfg.engine.block_size
@@ -53,6 +58,7 @@ class RouterCore:
         # Objects with on_token(st, n, now) / on_finish(st, msg) / on_fail(st, err) / on_abort(st).
         self.observers: list = []
         self.http_address = ""
+        self.control_address = ""
         self.intake = Intake(self.model, cfg.router.request_timeout_s, self.block_size)
 
     @property
@@ -70,6 +76,11 @@ class RouterCore:
             return (f"worker serves model {info.model!r} (fingerprint {info.model_fingerprint[:12] or 'none'}), "
                     f"the router serves {self.model.name!r} ({self.model.fingerprint[:12]}): config.json or "
                     f"tokenizer differ")
+        held = self.members.workers.get(info.worker_id)
+        if held is not None and held.address != info.address:
+            # Never repoint a live worker's id: its owner is still heartbeating from `held.address`.
+            return (f"worker id {info.worker_id!r} belongs to a live worker at {held.address}; a worker of "
+                    f"that id may register again only from the same address, or after it is dropped")
         want, got = self.layouts[info.role], layout_from_proto(info.kv_layout)
         if got != want:
             return (f"KV layout {got.dtype}{list(got.block_shape)} differs from the {want.dtype}"
@@ -186,8 +197,9 @@ class RouterCore:
         call = pw.stub.Prefill(wpb.PrefillRequest(
             request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
             decode_transfer_address=lease.worker.transfer_address, skip_blocks=lease.reservation.num_held_blocks,
-            transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt, resume_token_ids=st.sent_ids),
-            timeout=max(st.remaining, 0.001))
+            transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt, resume_token_ids=st.sent_ids,
+            transfer_key=lease.transfer_key, decode_transfer_public_key=lease.worker.transfer_public_key),
+            timeout=max(st.remaining, 0.001), metadata=self.identity.metadata)
         st.calls.append(call)  # stays open while the KV ships; cancelled with the attempt
         msg = await self._read(st, call, pw)
         if msg is grpc.aio.EOF:

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from pdcommon.security import ClusterIdentity
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
@@ -36,6 +37,7 @@ class WorkerRecord:
     served: int = 0
     pending_blocks: int = 0  # reserved through this router since the last heartbeat
     incarnation: str = ""
+    transfer_public_key: str = ""  # the KV receiver's CURVE key (encrypted transport), else ""
 
     @property
     def free_blocks_estimate(self) -> int:
@@ -56,7 +58,9 @@ class WorkerRecord:
 
 
 class Membership:
-    def __init__(self, dead_after_s: float, channel_options: list | None = None) -> None:
+    def __init__(self, dead_after_s: float, channel_options: list | None = None,
+                 identity: ClusterIdentity | None = None) -> None:
+        self.identity = identity or ClusterIdentity("none")
         self.dead_after_s = dead_after_s
         self.channel_options = channel_options or []
         self.workers: dict[str, WorkerRecord] = {}
@@ -81,11 +85,12 @@ class Membership:
             return old
         if old is not None:  # a new process under the same id: the old one is gone
             self.drop(info.worker_id, "replaced by a new process with the same id")
-        channel = grpc.aio.insecure_channel(info.address, options=self.channel_options)
+        channel = self.identity.aio_channel(info.address, self.channel_options)
         # A colocated worker is a decode worker that also prefills: same service.
         stub = (wrpc.PrefillWorkerStub if info.role == "prefill" else wrpc.DecodeWorkerStub)(channel)
         rec = WorkerRecord(info.worker_id, info.role, info.address, info.transfer_address, info.num_blocks,
-                           info.block_size, channel, stub, incarnation=info.incarnation)
+                           info.block_size, channel, stub, incarnation=info.incarnation,
+                           transfer_public_key=info.transfer_public_key)
         self.workers[info.worker_id] = rec
         log.info("worker joined", extra={"worker_id": info.worker_id, "role": info.role, "address": info.address})
         self.notify()

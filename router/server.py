@@ -1,4 +1,5 @@
-"""Start the router: gRPC server with the public and control services, and the reaper."""
+"""Start the router: the public gRPC API (and HTTP) on one port, the internal control plane on
+another (cluster credentials required), and the reaper."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 
 from pdcommon.config import ClusterConfig
 from pdcommon.grpc_server import add_service, make_server
+from pdcommon.security import ClusterIdentity
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.auth import ApiKeyInterceptor, ApiKeys, load_api_keys
@@ -24,13 +26,17 @@ log = logging.getLogger(__name__)
 class RouterServer:
     def __init__(self, cfg: ClusterConfig, launcher: Launcher | None = None) -> None:
         self.cfg = cfg
-        self.core = RouterCore(cfg, launcher)
+        # Refuses to construct without the secret its security mode needs (SecurityConfigError).
+        self.identity = ClusterIdentity.from_config(cfg.security)
+        self.core = RouterCore(cfg, launcher, identity=self.identity)
         self.scaler = Scaler(self.core)
         self.metrics = RouterMetrics(self.core)
         self.keys = ApiKeys(load_api_keys(cfg.router.api_keys, cfg.router.api_keys_file), cfg.router.protect_probes)
         self._http = None
         self.server: grpc.aio.Server | None = None
+        self.control: grpc.aio.Server | None = None
         self.address = ""
+        self.control_address = ""
         self._reaper: asyncio.Task | None = None
 
     async def start(self) -> str:
@@ -38,19 +44,27 @@ class RouterServer:
         if not self.keys.enabled and r.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("the public API on %s has no API keys: anyone who reaches it may use it (set "
                         "router.api_keys_file or PDSERVE_API_KEYS)", r.host)
+        self.identity.warn_if_open("the router's control port")
         self.server = make_server(r.max_request_bytes, [ApiKeyInterceptor(self.keys)])
-        add_service(self.server, RouterService(self.core, self.scaler), pb.DESCRIPTOR.services_by_name["Router"])
-        add_service(self.server, ControlService(self.core), wpb.DESCRIPTOR.services_by_name["Control"])
-        r = self.cfg.router
+        add_service(self.server, RouterService(self.core), pb.DESCRIPTOR.services_by_name["Router"])
         port = self.server.add_insecure_port(f"{r.host}:{r.port}")
         if port == 0:
             raise OSError(f"router cannot bind {r.host}:{r.port}")
+        self.control = make_server(r.max_request_bytes, self.identity.interceptors())
+        add_service(self.control, ControlService(self.core, self.scaler), wpb.DESCRIPTOR.services_by_name["Control"])
+        chost = r.control_host or r.host
+        cport = self.identity.bind(self.control, f"{chost}:{r.control_port}")
+        if cport == 0:
+            raise OSError(f"router cannot bind its control port {chost}:{r.control_port}")
         await self.server.start()
+        await self.control.start()
         self.address = f"{r.advertise_host or r.host}:{port}"
+        self.control_address = self.core.control_address = f"{r.advertise_host or chost}:{cport}"
         self._reaper = asyncio.create_task(self.core.members.reap_forever(self.cfg.heartbeat.interval_s / 4))
         if r.http_port is not None:
             await self._start_http(r.host, r.http_port, r.advertise_host)
-        log.info("router serving on %s (HTTP %s)", self.address, self.core.http_address or "off")
+        log.info("router serving on %s (HTTP %s; control plane on %s, security %s)", self.address,
+                 self.core.http_address or "off", self.control_address, self.identity.mode)
         return self.address
 
     async def _start_http(self, host: str, port: int, advertise: str | None) -> None:
@@ -84,8 +98,9 @@ class RouterServer:
             self._reaper.cancel()
         if self._http is not None:
             await self._http.cleanup()
-        if self.server:
-            await self.server.stop(grace=1.0)
+        for server in (self.server, self.control):
+            if server is not None:
+                await server.stop(grace=1.0)
 
 
 async def serve(cfg: ClusterConfig, launcher: Launcher | None = None, stop: asyncio.Event | None = None,

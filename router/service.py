@@ -1,4 +1,4 @@
-"""gRPC servicers of the router: the public Router API and the internal Control API."""
+"""gRPC servicers of the router: the public Router API and the internal Control API (two ports)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class RouterService(rrpc.RouterServicer):
-    def __init__(self, core: RouterCore, scaler: Scaler) -> None:
+    def __init__(self, core: RouterCore) -> None:
         self.core = core
-        self.scaler = scaler
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -42,7 +41,9 @@ class RouterService(rrpc.RouterServicer):
         resp = pb.ClusterStatusResponse(queued_requests=core.waiting, model=core.model.name,
                                         transport=core.cfg.transfer.transport, mode=core.cfg.mode,
                                         http_address=core.http_address, vocab_size=core.model.vocab_size,
-                                        max_model_len=core.model.max_model_len)
+                                        max_model_len=core.model.max_model_len,
+                                        control_address=core.control_address,
+                                        security_mode=core.cfg.security.mode)
         for role in core.cfg.roles:
             resp.pools.append(pb.PoolStatus(role=role, replicas=len(core.members.active(role)),
                                             target_replicas=core.targets[role]))
@@ -56,17 +57,13 @@ class RouterService(rrpc.RouterServicer):
             resp.workers.append(st)
         return resp
 
-    async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
-        try:
-            prev, adding, draining = await self.scaler.scale(request.pool, request.replicas)
-        except RequestFailed as e:
-            await context.abort(e.code, e.message)
-        return pb.ScaleResponse(previous=prev, target=request.replicas, adding=adding, draining=draining)
-
 
 class ControlService(wrpc.ControlServicer):
-    def __init__(self, core: RouterCore) -> None:
+    """The internal control plane: only cluster members reach it (see pdcommon/security.py)."""
+
+    def __init__(self, core: RouterCore, scaler: Scaler) -> None:
         self.core = core
+        self.scaler = scaler
 
     async def Register(self, request: wpb.WorkerInfo, context) -> wpb.RegisterReply:
         why = self.core.check_worker(request)
@@ -81,3 +78,10 @@ class ControlService(wrpc.ControlServicer):
         if rec is None:
             return wpb.HeartbeatReply(known=False)
         return wpb.HeartbeatReply(known=True, drain=rec.state == "draining")
+
+    async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
+        try:
+            prev, adding, draining = await self.scaler.scale(request.pool, request.replicas)
+        except RequestFailed as e:
+            await context.abort(e.code, e.message)
+        return pb.ScaleResponse(previous=prev, target=request.replicas, adding=adding, draining=draining)

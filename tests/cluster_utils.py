@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdcommon.client import RouterClient
 from pdcommon.config import ClusterConfig, load_config, set_dotted
+from pdcommon.security import new_token, write_secret
 from pdserve.launch.inprocess import InProcessCluster
 
 __all__ = ["InProcessCluster", "cluster_config", "make_config", "wait_pools_empty"]
@@ -47,7 +48,8 @@ class ProcessCluster:
     """Router and workers as separate `pdserve router|prefill|decode` processes on 127.0.0.1, so a
     test can SIGKILL or SIGSTOP one worker. Stops (and reaps) everything it started."""
 
-    def __init__(self, model: str, tmp_path: Path, prefill: int = 2, decode: int = 2, **overrides) -> None:
+    def __init__(self, model: str, tmp_path: Path, prefill: int = 2, decode: int = 2, security: str = "token",
+                 **overrides) -> None:
         import os
         import socket
         import subprocess
@@ -55,10 +57,21 @@ class ProcessCluster:
 
         import yaml
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cfg = {"model": model, "router": {"port": port, "http_port": 0},
+        ports = []
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        port, control_port = ports
+        # Standalone components never make up a secret: like an operator, the test provides one.
+        if security == "mtls":
+            from pdserve.certs import make_certs
+
+            sec = {"mode": "mtls", "certs_dir": str(make_certs(tmp_path / "certs"))}
+        else:
+            sec = {"mode": security, "token_file": str(write_secret(tmp_path / "cluster.token", new_token()))}
+        cfg = {"model": model, "router": {"port": port, "http_port": 0, "control_port": control_port},
+               "security": sec,
                "heartbeat": {"interval_s": 0.3, "timeout_s": 2.0}, "engine": {"num_threads": 1}}
         for key, value in overrides.items():
             set_dotted(cfg, key, value)

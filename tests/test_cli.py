@@ -42,8 +42,24 @@ def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> str:
     raise AssertionError(f"never printed {needle!r}; output: {''.join(seen)}; rc={proc.poll()}")
 
 
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*PDSERVE, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDSERVE, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def _assert_secret_kept(up: subprocess.Popen, output: list[str]) -> None:
+    """The token `up` generated is in a 0600 file, and in no process's arguments or environment
+    (Ray's workers included) and not in what `up` printed."""
+    path = Path(output[1].split("cluster token in ")[1].split(")")[0])
+    assert path.stat().st_mode & 0o077 == 0
+    token = path.read_text().strip()
+    assert len(token) >= 32 and not any(token in line for line in output)
+    for proc in [psutil.Process(up.pid), *psutil.Process(up.pid).children(recursive=True)]:
+        try:
+            assert token not in " ".join(proc.cmdline()), proc.cmdline()[:3]
+            assert token not in Path(f"/proc/{proc.pid}/environ").read_bytes().decode(errors="replace")
+        except psutil.NoSuchProcess:
+            continue
 
 
 def stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 90) -> list[psutil.Process]:
@@ -64,6 +80,7 @@ def test_up_generate_status_scale_and_clean_stop(stories_path):
     try:
         line = wait_line(up, "router ready at grpc://")
         addr = line.split("grpc://")[1].split()[0]
+        output = [line, wait_line(up, "cluster token in ")]
         http = wait_line(up, "OpenAI-compatible HTTP at http://").split("HTTP at ")[1].split("/v1")[0]
         import urllib.request
 
@@ -83,8 +100,14 @@ def test_up_generate_status_scale_and_clean_stop(stories_path):
         assert r.returncode == 0 and "TTFT" in r.stderr
         r = run_cli("status", "--router", addr)
         assert r.returncode == 0 and "prefill-0" in r.stdout and "decode-0" in r.stdout
+        # Scale is on the control plane: `up` keeps the cluster token where this machine's operator
+        # commands find it; with another token it is refused.
+        r = run_cli("scale", "--router", addr, "--pool", "prefill", "--replicas", "2",
+                    env={"PDSERVE_CLUSTER_TOKEN": "not-the-cluster-token"})
+        assert r.returncode == 1 and "UNAUTHENTICATED" in r.stderr
         r = run_cli("scale", "--router", addr, "--pool", "prefill", "--replicas", "2")
         assert r.returncode == 0 and "prefill-1" in r.stdout
+        _assert_secret_kept(up, output)
         r = run_cli("generate", "--router", addr, "--temperature", "-1", "hi")
         assert r.returncode == 1 and "INVALID_ARGUMENT" in r.stderr
     finally:
@@ -115,13 +138,22 @@ def test_standalone_components_and_a_torch_free_router(chat_model, tmp_path):
     """`pdserve router|prefill|decode` as Kubernetes runs them: separate processes on their own
     ports, workers registering and heartbeating to the router. The router serves a completion
     and a chat request without ever loading torch."""
-    rport, hport = free_port("127.0.0.1"), free_port("127.0.0.1")
+    rport, hport, cport = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
     cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     cfg.update(model=chat_model, heartbeat={"interval_s": 0.5})
-    cfg["router"].update(host="127.0.0.1", port=rport, http_port=hport)
+    cfg["router"].update(host="127.0.0.1", port=rport, http_port=hport, control_port=cport)
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PDSERVE_CLUSTER_TOKEN", None)
+    # No secret configured: a standalone component refuses to start rather than make one up.
+    r = subprocess.run([*PDSERVE, "router", "--config", str(path)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "no cluster secret is configured" in r.stderr, r.stderr
+    from pdcommon.security import new_token, write_secret
+
+    cfg["security"] = {"token_file": str(write_secret(tmp_path / "token", new_token()))}
+    path.write_text(yaml.safe_dump(cfg))
     procs = {name: subprocess.Popen([*PDSERVE, name, "--config", str(path)], cwd=ROOT, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for name in ("router", "prefill", "decode")}
@@ -138,7 +170,7 @@ def test_standalone_components_and_a_torch_free_router(chat_model, tmp_path):
         r = run_cli("generate", "--router", addr, "--max-tokens", "12", "--json", "Once upon a time")
         final = json.loads(r.stdout.splitlines()[-1])
         assert final["token_ids"] == hf_greedy(chat_model, [1, 403, 407, 261, 378], 12)["token_ids"]
-        r = run_cli("scale", "--router", addr, "--pool", "decode", "--replicas", "2")
+        r = run_cli("scale", "--router", addr, "--pool", "decode", "--replicas", "2", "--config", str(path))
         assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stderr
         base = f"http://127.0.0.1:{hport}/v1"
         done = _http(base + "/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0})

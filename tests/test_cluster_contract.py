@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import warnings
 
-import grpc
 import pytest
 from pydantic import ValidationError
 
@@ -55,9 +54,10 @@ def test_bfloat16_kv_across_the_wire_equals_engine_alone(stories_path, story):
         cl.wait_idle()
 
 
-def _register(address: str, info: wpb.WorkerInfo) -> wpb.RegisterReply:
-    with grpc.insecure_channel(address) as ch:
-        return wrpc.ControlStub(ch).Register(info, timeout=10)
+def _register(cl, info: wpb.WorkerInfo) -> wpb.RegisterReply:
+    identity = cl.core.identity  # a member's credentials: what is checked here is the worker's fit
+    with identity.channel(cl.router.control_address) as ch:
+        return wrpc.ControlStub(ch).Register(info, timeout=10, metadata=identity.metadata)
 
 
 def test_workers_of_another_model_or_layout_are_refused(stories_path):
@@ -70,14 +70,22 @@ def test_workers_of_another_model_or_layout_are_refused(stories_path):
         other_model = wpb.WorkerInfo()
         other_model.CopyFrom(good)
         other_model.model_fingerprint = "0" * 32
-        reply = _register(cl.address, other_model)
+        reply = _register(cl, other_model)
         assert not reply.accepted and "config.json or tokenizer differ" in reply.message
         other_layout = wpb.WorkerInfo()
         other_layout.CopyFrom(good)
         other_layout.kv_layout.dtype = "bfloat16"
-        reply = _register(cl.address, other_layout)
+        reply = _register(cl, other_layout)
         assert not reply.accepted and "KV layout" in reply.message and "bfloat16" in reply.message
         assert "intruder" not in core.members.workers
+        # A live worker's id is never repointed: not even a member may take it over from another address.
+        live = core.members.workers["decode-0"]
+        repoint = wpb.WorkerInfo()
+        repoint.CopyFrom(good)
+        repoint.worker_id, repoint.incarnation = "decode-0", "another-process"
+        reply = _register(cl, repoint)
+        assert not reply.accepted and "belongs to a live worker" in reply.message
+        assert core.members.workers["decode-0"] is live and live.address != repoint.address
 
 
 def test_per_pool_override_typo_fails_at_load_naming_the_key():

@@ -21,7 +21,7 @@ def test_scale_decode_pool_while_streaming(stories_path, story):
     cfg = cluster_config(stories_path, "zmq", 1, 1)
     results: dict[int, object] = {}
 
-    with RayCluster(cfg) as cluster, RouterClient(cluster.address) as client:
+    with RayCluster(cfg) as cluster, RouterClient(cluster.address) as client, cluster.control_client() as control:
         def run(i: int) -> None:
             try:
                 results[i] = client.generate(make_request(prompts[i], max_tokens=300, ignore_eos=True), timeout=300)
@@ -30,7 +30,7 @@ def test_scale_decode_pool_while_streaming(stories_path, story):
 
         pool = ThreadPoolExecutor(16)
         futs = [pool.submit(run, i) for i in range(4)]
-        client.scale("decode", 3)
+        control.scale("decode", 3)
         end = time.monotonic() + 120
         while client.health().decode_workers < 3:
             assert time.monotonic() < end, "new decode workers never registered"
@@ -44,7 +44,7 @@ def test_scale_decode_pool_while_streaming(stories_path, story):
                 break
             assert time.monotonic() < end, f"the load never spread over the three decode workers: {inflight}"
             time.sleep(0.05)
-        r = client.scale("decode", 1)
+        r = control.scale("decode", 1)
         drained = set(r.draining)
         assert len(drained) == 2
         # The scaler drains the least loaded, which still have requests in flight: they must finish.

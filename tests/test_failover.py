@@ -32,9 +32,15 @@ HEARTBEAT_WINDOW_S = 8.0  # longer than any gap these tests allow: the stall tim
 
 
 @pytest.fixture()
-def cluster(stories_path, tmp_path, request):
+def security(request) -> str:
+    return getattr(request, "param", "token")
+
+
+@pytest.fixture()
+def cluster(stories_path, tmp_path, request, security):
     window = getattr(request, "param", HEARTBEAT_WINDOW_S)
-    c = ProcessCluster(stories_path, tmp_path, **{"router.stall_timeout_s": STALL_S, "heartbeat.timeout_s": window})
+    c = ProcessCluster(stories_path, tmp_path, security=security,
+                       **{"router.stall_timeout_s": STALL_S, "heartbeat.timeout_s": window})
     try:
         yield c
     finally:
@@ -78,7 +84,9 @@ def _serving(cluster, role: str) -> str:
     return max(busy, key=lambda w: w.inflight).worker_id
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["sigkill", "sigstop"])
+@pytest.mark.parametrize(("sig", "security"), [(signal.SIGKILL, "token"), (signal.SIGSTOP, "token"),
+                                               (signal.SIGKILL, "mtls")],
+                         ids=["sigkill", "sigstop", "sigkill-mtls"], indirect=["security"])
 def test_decode_worker_lost_mid_stream_is_invisible(cluster, refs, sig):
     prompts, expect = refs
     started = threading.Event()

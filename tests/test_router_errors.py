@@ -80,7 +80,7 @@ def test_duplicate_request_id(cluster):
 
 
 def test_scale_without_launcher_is_failed_precondition(cluster):
-    with cluster.client() as c, pytest.raises(grpc.RpcError) as ei:
+    with cluster.control_client() as c, pytest.raises(grpc.RpcError) as ei:
         c.scale("decode", 2)
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
@@ -137,7 +137,7 @@ class CorruptingSender:
         self.inner, self.left = inner, n
         self.lock = threading.Lock()
 
-    def send(self, dest, header, frames, timeout_s):
+    def send(self, dest, header, frames, timeout_s, **kw):
         with self.lock:
             corrupt, self.left = self.left > 0, self.left - 1
         if corrupt:
@@ -147,7 +147,7 @@ class CorruptingSender:
             bad = bytearray(frames[0])
             bad[0] ^= 0xFF
             frames = [memoryview(bad), *frames[1:]]
-        return self.inner.send(dest, header, frames, timeout_s)
+        return self.inner.send(dest, header, frames, timeout_s, **kw)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -182,17 +182,19 @@ def test_stale_attempt_transfer_is_refused(cluster):
 
     dec = next(w for w in cluster.core.members.workers.values() if w.role == "decode")
     layout = next(rt for rt in cluster.runtimes() if rt.role == "decode").engine.kv_layout
-    with grpc.insecure_channel(dec.address) as ch:
+    identity, key = cluster.core.identity, b"k" * 32  # the test plays the router: it holds the secret
+    with identity.channel(dec.address) as ch:
         call = wrpc.DecodeWorkerStub(ch).Decode(wpb.DecodeRequest(
             request_id="stale-1", prompt_token_ids=[1, 403, 407, 261, 378], attempt=1, transfer_timeout_s=10,
-            sampling=params_to_proto(SamplingParams(max_tokens=4, temperature=0))))
+            sampling=params_to_proto(SamplingParams(max_tokens=4, temperature=0)), transfer_key=key),
+            metadata=identity.metadata)
         assert next(call).reservation.ok
         frame = memoryview(bytes(layout.block_nbytes))
         header = build_header("stale-1", layout.dtype, list(layout.block_shape), frame.nbytes, [None], [frame], [1],
                               meta={"attempt": 0, "first_token": 5, "first_logprob": 0.0})
         sender = make_sender("zmq")
         try:
-            h = sender.send(dec.transfer_address, header, [frame], timeout_s=10)
+            h = sender.send(dec.transfer_address, header, [frame], timeout_s=10, key=key)
             while not h.done:
                 sender.poll()
                 time.sleep(0.001)
@@ -206,14 +208,14 @@ def test_stale_attempt_transfer_is_refused(cluster):
 class DroppingSender(CorruptingSender):
     """Pretends to send the first `n` transfers but never does: the decode side must time out."""
 
-    def send(self, dest, header, frames, timeout_s):
+    def send(self, dest, header, frames, timeout_s, **kw):
         with self.lock:
             drop, self.left = self.left > 0, self.left - 1
         if drop:
             from transfer import TransferHandle
 
             return TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
-        return self.inner.send(dest, header, frames, timeout_s)
+        return self.inner.send(dest, header, frames, timeout_s, **kw)
 
 
 def test_lost_transfer_times_out_frees_blocks_and_retries(stories_path):

@@ -216,7 +216,7 @@ def test_partial_transfers_expire_and_are_bounded():
         for i in range(3):  # headers never followed by their frames
             header, _ = make_payload()
             header.request_id, header.transfer_id = f"r{i}", f"t{i}"
-            sock.send_multipart([HEADER, header.encode()])
+            sock.send_multipart([HEADER, header.encode(), b""])  # no tag: this receiver checks none
         end = time.monotonic() + 2
         while rx.num_partial < 2 and time.monotonic() < end:
             rx.poll(0.05)
@@ -232,6 +232,79 @@ def test_partial_transfers_expire_and_are_bounded():
         assert all(not a["ok"] and "stopped coming" in a["err"] for a in expired)
     finally:
         sock.close(linger=0)
+        ctx.term()
+        rx.close()
+
+
+def test_zmq_frames_must_carry_the_transfer_keys_tag():
+    """A header signed with the reservation's key opens the transfer; frames whose tag is not under
+    that key (someone who guessed the transfer id) are dropped without counting or landing, and the
+    key holder's frames still complete it."""
+    import zmq
+
+    from transfer.wire import frame_tag, header_tag
+    from transfer.zmq_transport import _INDEX, FRAME, HEADER
+
+    key = b"k" * 32
+    sink = RecordingSink()
+    rx = make_receiver("zmq", host="127.0.0.1", sink=sink, keys=lambda h: key)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(rx.address)
+    try:
+        header, frames = make_payload(n_frames=2, blocks=1, block_nbytes=8192)
+        header.transfer_id = tid = "t-1"
+        raw = header.encode()
+        sock.send_multipart([HEADER, raw, header_tag(key, raw)])
+        for i, f in enumerate(frames):  # checksums right, tags under another key
+            digest = header.frames[i].checksum
+            sock.send_multipart([FRAME, tid.encode(), _INDEX.pack(i, digest), frame_tag(b"x" * 32, tid, i, digest), f])
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            assert not rx.poll(0.05)
+        assert sink.opened == ["req-1"] and sink.frames == [] and rx.num_partial == 1
+        for i, f in enumerate(frames):
+            digest = header.frames[i].checksum
+            sock.send_multipart([FRAME, tid.encode(), _INDEX.pack(i, digest), frame_tag(key, tid, i, digest), f])
+        got = []
+        while not got:
+            got = rx.poll(0.05)
+        assert not got[0].error and [i for _, i, _ in sink.frames] == [0, 1]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        rx.close()
+
+
+def test_transfers_per_peer_are_bounded():
+    """One sender cannot take all of a receiver's room: its transfers beyond max_per_peer are refused
+    while another sender's is still taken."""
+    import msgpack
+    import zmq
+
+    from transfer.zmq_transport import HEADER, ZmqReceiver
+
+    rx = ZmqReceiver(host="127.0.0.1", max_partial=16, max_per_peer=2)
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    try:
+        for n, sock in enumerate(socks):
+            sock.setsockopt(zmq.RCVTIMEO, 3000)
+            sock.connect(rx.address)
+            for i in range(3 if n == 0 else 1):
+                header, _ = make_payload()
+                header.request_id, header.transfer_id = f"r{n}-{i}", f"t{n}-{i}"
+                sock.send_multipart([HEADER, header.encode(), b""])
+        end = time.monotonic() + 2
+        while rx.num_partial < 3 and time.monotonic() < end:
+            rx.poll(0.05)
+        rx.poll(0.05)
+        assert rx.num_partial == 3  # two of the first sender's, one of the second's
+        ack = msgpack.unpackb(socks[0].recv())
+        assert not ack["ok"] and ack["tid"] == "t0-2" and "this sender already has 2" in ack["err"]
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
         ctx.term()
         rx.close()
 
@@ -256,8 +329,8 @@ def test_decoders_have_limits():
     try:
         header, frames = make_payload(n_frames=1, blocks=1, block_nbytes=4 << 20)  # one 4 MiB frame
         header.transfer_id = "big"
-        sock.send_multipart([HEADER, header.encode()])
-        sock.send_multipart([FRAME, b"big", b"\x00" * 12, frames[0]])
+        sock.send_multipart([HEADER, header.encode(), b""])
+        sock.send_multipart([FRAME, b"big", b"\x00" * 12, b"", frames[0]])
         end = time.monotonic() + 1.5
         got = []
         while time.monotonic() < end:

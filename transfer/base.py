@@ -86,8 +86,11 @@ class KVSink(Protocol):
 
 class KVSender(abc.ABC):
     @abc.abstractmethod
-    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
-        """Start a transfer; the frames must stay valid until the handle is done."""
+    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float,
+             key: bytes | None = None, peer_key: str = "") -> TransferHandle:
+        """Start a transfer; the frames must stay valid until the handle is done. `key`: the
+        reservation's transfer key, which signs header and frames (see wire.header_tag); `peer_key`:
+        the receiver's public key when the transport encrypts (ZeroMQ CURVE)."""
 
     @abc.abstractmethod
     def poll(self) -> None:

@@ -8,14 +8,15 @@ import time
 from collections.abc import Sequence
 
 from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.wire import KVHeader, fill_checksums
+from transfer.wire import KeyLookup, KVHeader, TransferError, check_tag, fill_checksums, header_tag
 
 _RECEIVERS: dict[str, FakeReceiver] = {}
 _ids = itertools.count()
 
 
 class FakeReceiver(KVReceiver):
-    def __init__(self, *_, **__) -> None:
+    def __init__(self, *_, keys: KeyLookup | None = None, **__) -> None:
+        self.keys = keys
         self.address = f"fake://{next(_ids)}"
         self.queue: queue.Queue[ReceivedKV] = queue.Queue()
         _RECEIVERS[self.address] = self
@@ -31,7 +32,8 @@ class FakeSender(KVSender):
     def __init__(self, *_, **__) -> None:
         self.open: list[TransferHandle] = []
 
-    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
+    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float,
+             key: bytes | None = None, peer_key: str = "") -> TransferHandle:
         handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
         fill_checksums(header, frames)
         rx = _RECEIVERS.get(dest)
@@ -42,8 +44,16 @@ class FakeSender(KVSender):
         def ack(ok: bool, err: str) -> None:
             handle.advance(TransferState.DONE if ok else TransferState.FAILED, err)
 
+        raw = header.encode()
+        received = KVHeader.decode(raw)
+        if rx.keys is not None:
+            try:
+                check_tag(header_tag(rx.keys(received), raw), header_tag(key, raw), f"{header.request_id}: header")
+            except TransferError as e:
+                handle.advance(TransferState.FAILED, str(e))
+                return handle
         # Copy like a real wire would: the receiver must not alias the sender's pool.
-        rx.queue.put(ReceivedKV(KVHeader.decode(header.encode()), [memoryview(bytes(f)) for f in frames], ack))
+        rx.queue.put(ReceivedKV(received, [memoryview(bytes(f)) for f in frames], ack))
         handle.advance(TransferState.SENT)
         self.open.append(handle)
         return handle

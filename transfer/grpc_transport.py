@@ -1,8 +1,10 @@
 """gRPC transport for deployments that open only gRPC ports.
 
 One client-streaming call per transfer on a generic method: the first message is the msgpack
-header, the rest are raw byte chunks of the frames (no protobuf around bulk data); the reply is
-the msgpack acknowledgement."""
+header (with every frame's digest), the second its tag under the reservation's transfer key, the
+rest raw byte chunks of the frames (no protobuf around bulk data); the reply is the msgpack
+acknowledgement. The tag is checked before any frame is read. Under mtls the call runs over TLS
+with the cluster's certificates (passed in as plain grpc credentials)."""
 
 from __future__ import annotations
 
@@ -16,15 +18,17 @@ import grpc
 import msgpack
 
 from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.wire import KVHeader, TransferError, fill_checksums
+from transfer.wire import KeyLookup, KVHeader, TransferError, check_tag, fill_checksums, header_tag
 
 METHOD = "/pdserve.v1.KVTransfer/Push"
 CHUNK = 4 << 20
 _OPTIONS = [("grpc.max_receive_message_length", 2 * CHUNK), ("grpc.max_send_message_length", 2 * CHUNK)]
 
 
-def _chunks(header: KVHeader, frames: Sequence[memoryview]) -> Iterator[bytes]:
-    yield header.encode()
+def _chunks(header: KVHeader, frames: Sequence[memoryview], key: bytes | None) -> Iterator[bytes]:
+    raw = header.encode()
+    yield raw
+    yield header_tag(key, raw)
     for f in frames:
         mv = memoryview(f).cast("B")
         for i in range(0, mv.nbytes, CHUNK):
@@ -32,20 +36,24 @@ def _chunks(header: KVHeader, frames: Sequence[memoryview]) -> Iterator[bytes]:
 
 
 class GrpcSender(KVSender):
-    def __init__(self) -> None:
+    def __init__(self, channel_credentials: grpc.ChannelCredentials | None = None,
+                 channel_options: list | None = None) -> None:
         self.channels: dict[str, grpc.Channel] = {}
         self.open: list[tuple[TransferHandle, grpc.Future]] = []
+        self.credentials, self.options = channel_credentials, [*_OPTIONS, *(channel_options or [])]
 
     def _call(self, dest: str):
         dest = dest.removeprefix("grpc://")
         if dest not in self.channels:
-            self.channels[dest] = grpc.insecure_channel(dest, options=_OPTIONS)
+            self.channels[dest] = grpc.secure_channel(dest, self.credentials, options=self.options) \
+                if self.credentials else grpc.insecure_channel(dest, options=self.options)
         return self.channels[dest].stream_unary(METHOD)
 
-    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
+    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float,
+             key: bytes | None = None, peer_key: str = "") -> TransferHandle:
         handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
-        fill_checksums(header, frames)
-        fut = self._call(dest).future(_chunks(header, frames), timeout=timeout_s)
+        fill_checksums(header, frames)  # up front: the header's tag covers every frame's digest
+        fut = self._call(dest).future(_chunks(header, frames, key), timeout=timeout_s)
         handle.advance(TransferState.SENT)
         self.open.append((handle, fut))
         return handle
@@ -81,22 +89,32 @@ class GrpcSender(KVSender):
 
 class GrpcReceiver(KVReceiver):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 ack_timeout_s: float = 60.0) -> None:
+                 ack_timeout_s: float = 60.0, keys: KeyLookup | None = None,
+                 server_credentials: grpc.ServerCredentials | None = None) -> None:
         self._queue: queue.Queue[ReceivedKV] = queue.Queue()
+        self.keys = keys
         self.ack_timeout_s = ack_timeout_s
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
         handler = grpc.method_handlers_generic_handler(
             "pdserve.v1.KVTransfer", {"Push": grpc.stream_unary_rpc_method_handler(self._push)})
         self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = self.server.add_secure_port(f"{host}:{port}", server_credentials) if server_credentials \
+            else self.server.add_insecure_port(f"{host}:{port}")
         self.address = f"grpc://{advertise_host or host}:{self.port}"
         self.server.start()
 
     def _push(self, request_iterator, context) -> bytes:
         rid = ""
         try:
-            header = KVHeader.decode(next(request_iterator))
+            raw = next(request_iterator)
+            header = KVHeader.decode(raw)
             rid = header.request_id
+            tag = next(request_iterator)
+            if self.keys is not None:  # before a single frame byte is read or allocated
+                key = self.keys(header)
+                if not key:  # a reservation without a key is open to no one, not to everyone
+                    raise TransferError(f"{rid}: the reservation has no transfer key")
+                check_tag(header_tag(key, raw), tag, f"{rid}: KV header")
             frames: list[memoryview] = []
             for info in header.frames:
                 buf = bytearray(info.nbytes)

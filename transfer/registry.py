@@ -7,6 +7,7 @@ from collections.abc import Callable
 from transfer.base import KVReceiver, KVSender, KVSink
 from transfer.fake import FakeReceiver, FakeSender
 from transfer.grpc_transport import GrpcReceiver, GrpcSender
+from transfer.wire import KeyLookup
 from transfer.zmq_transport import ZmqReceiver, ZmqSender
 
 TRANSPORTS: dict[str, tuple[Callable[..., KVSender], Callable[..., KVReceiver]]] = {
@@ -22,20 +23,30 @@ def _lookup(name: str) -> tuple[Callable[..., KVSender], Callable[..., KVReceive
     return TRANSPORTS[name]
 
 
-def make_sender(name: str, **kwargs) -> KVSender:
-    return _lookup(name)[0](**kwargs)
+def make_sender(name: str, curve: bool = False, channel_credentials=None, channel_options=None) -> KVSender:
+    """`curve`: encrypt with ZeroMQ CURVE (zmq); `channel_credentials`: TLS for the gRPC transport."""
+    if name == "zmq":
+        return ZmqSender(curve=curve)
+    if name == "grpc":
+        return GrpcSender(channel_credentials, channel_options)
+    return _lookup(name)[0]()
 
 
 def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                   sink: KVSink | None = None, partial_timeout_s: float | None = None,
-                  max_frame_bytes: int | None = None) -> KVReceiver:
+                  max_frame_bytes: int | None = None, keys: KeyLookup | None = None, curve: bool = False,
+                  max_per_peer: int | None = None, server_credentials=None) -> KVReceiver:
     """`sink` is used by transports that stream frames (zmq); the others deliver whole transfers.
-    `partial_timeout_s`: how long a streaming receiver keeps a transfer whose frames stopped."""
-    kwargs: dict = {}
+    `partial_timeout_s`: how long a streaming receiver keeps a transfer whose frames stopped.
+    `keys`: the transfer key of a header's reservation; with it, unsigned KV is refused."""
+    kwargs: dict = {"keys": keys}
     if name == "zmq":
-        kwargs = {k: v for k, v in (("sink", sink), ("partial_timeout_s", partial_timeout_s)) if v is not None}
+        kwargs.update({k: v for k, v in (("sink", sink), ("partial_timeout_s", partial_timeout_s),
+                                         ("max_per_peer", max_per_peer)) if v is not None}, curve=curve)
         if max_frame_bytes is not None:
             kwargs["max_message_bytes"] = max_frame_bytes + (1 << 20)
+    elif name == "grpc":
+        kwargs["server_credentials"] = server_credentials
     return _lookup(name)[1](host=host, port=port, advertise_host=advertise_host, **kwargs)
 
 

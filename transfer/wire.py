@@ -6,7 +6,10 @@ xxh3-64 checksum. Bulk bytes never enter msgpack: they ride as separate zero-cop
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import hmac
+import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +83,31 @@ class KVHeader:
             raise
         except Exception as e:  # malformed msgpack or missing keys
             raise TransferError(f"malformed KV header: {e}") from e
+
+
+# ---- authorization: a one-time key per reservation signs what lands in it ----------------------
+# The decode worker learns the key with the reservation; the router gives it to the one prefill
+# worker it chose. The header's tag covers the header bytes (geometry, hashes, request, attempt
+# and, when filled up front, the frames' digests); each frame's tag covers the transfer id, the
+# frame index and its xxh3 digest, so a sender may hash each frame just before it goes out. A
+# receiver checks a tag before it lets anything of a transfer touch a reservation.
+KeyLookup = Callable[[KVHeader], bytes]  # the reservation's key, or TransferError
+
+
+def header_tag(key: bytes | None, header_bytes: bytes | memoryview) -> bytes:
+    return hmac.new(key, b"pdkv-header\0" + bytes(header_bytes), hashlib.sha256).digest() if key else b""
+
+
+def frame_tag(key: bytes | None, transfer_id: str, index: int, digest: int) -> bytes:
+    if not key:
+        return b""
+    return hmac.new(key, b"pdkv-frame\0" + transfer_id.encode() + struct.pack("<IQ", index, digest),
+                    hashlib.sha256).digest()
+
+
+def check_tag(expected: bytes, got: bytes, what: str) -> None:
+    if not hmac.compare_digest(expected, bytes(got)):
+        raise TransferError(f"{what} is not signed with the reservation's transfer key (refused before landing)")
 
 
 def checksum(buf: memoryview | bytes) -> int:

@@ -1,9 +1,16 @@
 """ZeroMQ transport (the default): DEALER -> ROUTER, header frame + zero-copy data frames,
-acknowledgement back on the same socket pair."""
+acknowledgement back on the same socket pair.
+
+Messages: [H, header, tag] opens a transfer; [F, transfer id, (index, xxh3), tag, bytes] carries
+one frame. With a key lookup the receiver checks each tag (wire.header_tag / frame_tag) before
+the message may touch anything, so KV that is not signed with its reservation's one-time key is
+refused without landing, and cannot fail the reservation either. Opt-in CURVE encrypts the
+connection (the receiver's public key travels with the worker's registration)."""
 
 from __future__ import annotations
 
 import collections
+import hmac
 import itertools
 import struct
 import threading
@@ -16,7 +23,17 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState
-from transfer.wire import KVHeader, TransferError, checksum, verify_frame, verify_layout
+from transfer.wire import (
+    KeyLookup,
+    KVHeader,
+    TransferError,
+    check_tag,
+    checksum,
+    frame_tag,
+    header_tag,
+    verify_frame,
+    verify_layout,
+)
 
 DEFAULT_HWM = 1024  # messages queued per peer before senders block: bounds memory held by ZeroMQ
 IDLE_SOCKET_S = 60.0  # a sender closes its socket to a peer unused this long (or whose transfer failed)
@@ -24,7 +41,9 @@ PARTIAL_TIMEOUT_S = 30.0  # a receiver drops a transfer whose frames stop coming
 MAX_PARTIAL = 256  # transfers a receiver holds open at once ...
 MAX_PARTIAL_BYTES = 4 << 30  # ... announcing at most this many bytes together
 MAX_MESSAGE_BYTES = (16 << 20) + (1 << 20)  # one frame (transfer.max_frame_bytes) and its envelope
+MAX_PER_PEER = 64  # transfers one connected sender may hold open at a receiver
 HEADER, FRAME = b"H", b"F"  # a transfer is one header message, then one message per frame
+_INDEX = struct.Struct("<IQ")  # a frame's index and xxh3 digest
 
 
 @dataclass(slots=True)
@@ -32,6 +51,7 @@ class _Incoming:
     ident: bytes
     header: KVHeader
     deadline: float
+    key: bytes | None = None
     frames: list = field(default_factory=list)
     received: int = 0
     error: str = ""
@@ -42,8 +62,11 @@ def tcp_address(host: str, port: int) -> str:
 
 
 class ZmqSender(KVSender):
-    def __init__(self, hwm: int = DEFAULT_HWM, context: zmq.Context | None = None) -> None:
+    def __init__(self, hwm: int = DEFAULT_HWM, context: zmq.Context | None = None, curve: bool = False) -> None:
         self.ctx = context or zmq.Context()
+        # CURVE: this sender's own keypair (the receiver accepts any client: the transfer key, not
+        # the connection, says who may write a reservation).
+        self.curve = zmq.curve_keypair() if curve else None
         self._own_ctx = context is None
         self.hwm = hwm
         self.sockets: dict[str, zmq.Socket] = {}
@@ -52,11 +75,16 @@ class ZmqSender(KVSender):
         self.open: dict[str, TransferHandle] = {}  # transfer id -> handle
         self._ids = itertools.count()
 
-    def _socket(self, dest: str) -> zmq.Socket:
+    def _socket(self, dest: str, peer_key: str = "") -> zmq.Socket:
         self.last_used[dest] = time.monotonic()
         sock = self.sockets.get(dest)
         if sock is None:
+            if self.curve is not None and not peer_key:
+                raise zmq.ZMQError(msg=f"{dest} announced no CURVE key, and this sender encrypts KV")
             sock = self.ctx.socket(zmq.DEALER)
+            if self.curve is not None:
+                sock.curve_publickey, sock.curve_secretkey = self.curve
+                sock.curve_serverkey = peer_key.encode()
             sock.setsockopt(zmq.SNDHWM, self.hwm)
             sock.setsockopt(zmq.RCVHWM, self.hwm)
             sock.setsockopt(zmq.LINGER, 0)
@@ -65,21 +93,24 @@ class ZmqSender(KVSender):
             self.sockets[dest] = sock
         return sock
 
-    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float) -> TransferHandle:
+    def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float,
+             key: bytes | None = None, peer_key: str = "") -> TransferHandle:
         handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
         header.transfer_id = f"{header.request_id}#{next(self._ids)}"
         handle.transfer_id = header.transfer_id
-        sock = self._socket(dest)
-        sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
         tid = header.transfer_id.encode()
         try:
-            sock.send_multipart([HEADER, header.encode()], copy=False)
-            # One message per frame, each with its own checksum computed just before it goes out:
-            # hashing frame i+1 overlaps ZeroMQ's I/O thread putting frame i on the wire.
+            sock = self._socket(dest, peer_key)
+            sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
+            raw = header.encode()
+            sock.send_multipart([HEADER, raw, header_tag(key, raw)], copy=False)
+            # One message per frame, each with its own checksum (and tag) computed just before it
+            # goes out: hashing frame i+1 overlaps ZeroMQ's I/O thread putting frame i on the wire.
             for i, frame in enumerate(frames):
                 digest = header.frames[i].checksum or checksum(frame)
                 header.frames[i].checksum = digest
-                sock.send_multipart([FRAME, tid, struct.pack("<IQ", i, digest), frame], copy=False)
+                sock.send_multipart([FRAME, tid, _INDEX.pack(i, digest),
+                                     frame_tag(key, header.transfer_id, i, digest), frame], copy=False)
         except zmq.Again:
             handle.advance(TransferState.FAILED, f"send to {dest} timed out (peer not draining)")
             self._drop_socket(dest)
@@ -171,9 +202,19 @@ class ZmqReceiver(KVReceiver):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  hwm: int = DEFAULT_HWM, sink: KVSink | None = None, partial_timeout_s: float = PARTIAL_TIMEOUT_S,
                  max_partial: int = MAX_PARTIAL, max_partial_bytes: int = MAX_PARTIAL_BYTES,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, keys: KeyLookup | None = None, curve: bool = False,
+                 max_per_peer: int = MAX_PER_PEER) -> None:
+        """`keys`: the transfer key of a header's reservation (TransferError: no such reservation);
+        without it nothing is checked (unit tests, the security-off benchmark)."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self.keys, self.max_per_peer = keys, max_per_peer
+        self.public_key = ""
+        if curve:
+            public, secret = zmq.curve_keypair()
+            self.sock.curve_server = True
+            self.sock.curve_secretkey = secret
+            self.public_key = public.decode()
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -241,47 +282,69 @@ class ZmqReceiver(KVReceiver):
                 self._queue_ack(inc.ident, tid.decode(), False, f"frames stopped coming for "
                                 f"{self.partial_timeout_s:.0f}s ({inc.received}/{len(inc.header.frames)} arrived)")
 
-    def _room_for(self, header: KVHeader) -> str:
+    def _room_for(self, ident: bytes, header: KVHeader) -> str:
         """Why a new transfer cannot be taken now ("" when it can)."""
         if len(self._incoming) >= self.max_partial:
             return f"receiver busy: {len(self._incoming)} transfers already open"
+        mine = sum(1 for i in self._incoming.values() if i.ident == ident)
+        if mine >= self.max_per_peer:
+            return f"receiver busy: this sender already has {mine} transfers open (limit {self.max_per_peer})"
         held = sum(i.header.total_bytes for i in self._incoming.values())
         if held + header.total_bytes > self.max_partial_bytes:
             return f"receiver busy: {held} bytes of open transfers, limit {self.max_partial_bytes}"
         return ""
 
+    def _authorize(self, header: KVHeader, raw: memoryview, tag: bytes) -> bytes | None:
+        """The reservation's key once the header's tag checks out (TransferError otherwise)."""
+        if self.keys is None:
+            return None
+        key = self.keys(header)
+        if not key:  # a reservation without a key is open to no one, not to everyone
+            raise TransferError(f"{header.request_id}: the reservation has no transfer key")
+        check_tag(header_tag(key, raw), tag, f"{header.request_id}: KV header")
+        return key
+
     def _on_message(self, parts) -> ReceivedKV | None:
         ident = parts[0].bytes
         kind = parts[1].bytes if len(parts) > 1 else b""
-        if kind == HEADER and len(parts) == 3:
+        if kind == HEADER and len(parts) == 4:
             try:
                 header = KVHeader.decode(parts[2].buffer)
-                verify_layout(header)
             except TransferError as e:
                 self._queue_ack(ident, "", False, str(e))
                 return None
-            busy = self._room_for(header)
+            try:
+                key = self._authorize(header, parts[2].buffer, parts[3].bytes)
+                verify_layout(header)
+            except TransferError as e:
+                self._queue_ack(ident, header.transfer_id, False, str(e))
+                return None
+            tid = header.transfer_id.encode()
+            busy = self._room_for(ident, header) or ("transfer id already open" if tid in self._incoming else "")
             if busy:
                 self._queue_ack(ident, header.transfer_id, False, busy)
                 return None
-            inc = _Incoming(ident, header, time.monotonic() + self.partial_timeout_s)
-            self._incoming[header.transfer_id.encode()] = inc
+            inc = _Incoming(ident, header, time.monotonic() + self.partial_timeout_s, key)
+            self._incoming[tid] = inc
             if self.sink is not None:
                 try:
                     self.sink.open(header)
                 except TransferError as e:
                     inc.error = str(e)
             return self._finish_if_complete(header.transfer_id.encode(), inc)
-        if kind == FRAME and len(parts) == 5:
+        if kind == FRAME and len(parts) == 6 and len(parts[3].bytes) == _INDEX.size:
             tid = parts[2].bytes
             inc = self._incoming.get(tid)
-            if inc is None:
-                return None  # a transfer already refused or finished: drop its stragglers
+            if inc is None or inc.ident != ident:
+                return None  # a transfer already refused or finished (or someone else's): drop it
+            index, digest = _INDEX.unpack(parts[3].bytes)
+            if inc.key is not None and not hmac.compare_digest(
+                    frame_tag(inc.key, inc.header.transfer_id, index, digest), parts[4].bytes):
+                return None  # not from the key holder: it may not count against, or fail, the transfer
             inc.received += 1
             inc.deadline = time.monotonic() + self.partial_timeout_s  # still coming: keep it open
             if not inc.error:
-                index, digest = struct.unpack("<IQ", parts[3].bytes)
-                buf = parts[4].buffer
+                buf = parts[5].buffer
                 try:
                     verify_frame(inc.header, index, buf, digest)
                     inc.header.frames[index].checksum = digest

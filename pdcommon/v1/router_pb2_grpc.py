@@ -49,11 +49,6 @@ class RouterStub:
                 request_serializer=pdcommon_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=pdcommon_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
-        self.Scale = channel.unary_unary(
-                '/pdserve.v1.Router/Scale',
-                request_serializer=pdcommon_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
-                response_deserializer=pdcommon_dot_v1_dot_router__pb2.ScaleResponse.FromString,
-                _registered_method=True)
 
 
 class RouterServicer:
@@ -74,13 +69,7 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClusterStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Scale(self, request, context):
-        """Grow or drain a pool. FAILED_PRECONDITION when no launcher manages the processes.
+        """Scale lives on the internal Control service (worker.proto): it is for operators, not users.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,11 +92,6 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=pdcommon_dot_v1_dot_router__pb2.ClusterStatusRequest.FromString,
                     response_serializer=pdcommon_dot_v1_dot_router__pb2.ClusterStatusResponse.SerializeToString,
-            ),
-            'Scale': grpc.unary_unary_rpc_method_handler(
-                    servicer.Scale,
-                    request_deserializer=pdcommon_dot_v1_dot_router__pb2.ScaleRequest.FromString,
-                    response_serializer=pdcommon_dot_v1_dot_router__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -191,33 +175,6 @@ class Router:
             '/pdserve.v1.Router/ClusterStatus',
             pdcommon_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
             pdcommon_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Scale(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.Router/Scale',
-            pdcommon_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
-            pdcommon_dot_v1_dot_router__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "transfer_address", "num_blocks", "block_size", "model", "model_fingerprint", "kv_layout", "incarnation")
+    __slots__ = ("worker_id", "role", "address", "transfer_address", "num_blocks", "block_size", "model", "model_fingerprint", "kv_layout", "incarnation", "transfer_public_key")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class WorkerInfo(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -29,7 +30,8 @@ class WorkerInfo(_message.Message):
     model_fingerprint: str
     kv_layout: KVLayout
     incarnation: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    transfer_public_key: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transfer_address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., kv_layout: _Optional[_Union[KVLayout, _Mapping]] = ..., incarnation: _Optional[str] = ..., transfer_public_key: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("dtype", "block_shape")
@@ -66,7 +68,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_transfer_address", "skip_blocks", "transfer_timeout_s", "attempt", "resume_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_transfer_address", "skip_blocks", "transfer_timeout_s", "attempt", "resume_token_ids", "transfer_key", "decode_transfer_public_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +77,8 @@ class PrefillRequest(_message.Message):
     TRANSFER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TRANSFER_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
@@ -83,7 +87,9 @@ class PrefillRequest(_message.Message):
     transfer_timeout_s: float
     attempt: int
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    transfer_key: bytes
+    decode_transfer_public_key: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., transfer_key: _Optional[bytes] = ..., decode_transfer_public_key: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs", "text", "finish_reason", "cached_tokens", "prefill_s")
@@ -110,7 +116,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s", "attempt", "prefill_here", "resume_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s", "attempt", "prefill_here", "resume_token_ids", "transfer_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +124,7 @@ class DecodeRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
@@ -125,7 +132,8 @@ class DecodeRequest(_message.Message):
     attempt: int
     prefill_here: bool
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ..., prefill_here: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    transfer_key: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ..., prefill_here: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., transfer_key: _Optional[bytes] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("ok", "num_held_blocks", "free_blocks")

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pdcommon.v1 import router_pb2 as pdcommon_dot_v1_dot_router__pb2
 from pdcommon.v1 import worker_pb2 as pdcommon_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -26,7 +27,8 @@ if _version_not_supported:
 
 
 class ControlStub:
-    """Served by the router: workers register and heartbeat, under Ray and Kubernetes alike.
+    """Served by the router on its internal port (router.control_port), for cluster members only:
+    workers register and heartbeat, under Ray and Kubernetes alike; operators scale pools.
     """
 
     def __init__(self, channel):
@@ -45,10 +47,16 @@ class ControlStub:
                 request_serializer=pdcommon_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pdcommon_dot_v1_dot_worker__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/pdserve.v1.Control/Scale',
+                request_serializer=pdcommon_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_router__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
-    """Served by the router: workers register and heartbeat, under Ray and Kubernetes alike.
+    """Served by the router on its internal port (router.control_port), for cluster members only:
+    workers register and heartbeat, under Ray and Kubernetes alike; operators scale pools.
     """
 
     def Register(self, request, context):
@@ -59,6 +67,13 @@ class ControlServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Scale(self, request, context):
+        """Grow or drain a pool. FAILED_PRECONDITION when no launcher manages the processes.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -76,6 +91,11 @@ def add_ControlServicer_to_server(servicer, server):
                     request_deserializer=pdcommon_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
                     response_serializer=pdcommon_dot_v1_dot_worker__pb2.HeartbeatReply.SerializeToString,
             ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=pdcommon_dot_v1_dot_router__pb2.ScaleRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_router__pb2.ScaleResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'pdserve.v1.Control', rpc_method_handlers)
@@ -85,7 +105,8 @@ def add_ControlServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Control:
-    """Served by the router: workers register and heartbeat, under Ray and Kubernetes alike.
+    """Served by the router on its internal port (router.control_port), for cluster members only:
+    workers register and heartbeat, under Ray and Kubernetes alike; operators scale pools.
     """
 
     @staticmethod
@@ -132,6 +153,33 @@ class Control:
             '/pdserve.v1.Control/Heartbeat',
             pdcommon_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
             pdcommon_dot_v1_dot_worker__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Control/Scale',
+            pdcommon_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
+            pdcommon_dot_v1_dot_router__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -28,7 +28,7 @@ class RouterActor:
             self.server = RouterServer(self.cfg, self.launcher)
             try:
                 addr = await self.server.start()
-                self.launcher.router_address = addr
+                self.launcher.router_address = self.server.control_address  # workers talk to the control port
                 started.set_result(addr)
                 await stop.wait()
             finally:
@@ -42,6 +42,9 @@ class RouterActor:
 
     def http_address(self) -> str:
         return self.server.core.http_address if self.server else ""
+
+    def control_address(self) -> str:
+        return self.server.control_address if self.server else ""
 
     def _run(self, coro, timeout_s: float):
         assert self.host.loop is not None

@@ -8,7 +8,9 @@ import socket
 import uuid
 from pathlib import Path
 
+from pdcommon.client import ControlClient
 from pdcommon.config import ClusterConfig
+from pdcommon.security import ClusterIdentity, provision_token, remove_secret, token_path
 
 log = logging.getLogger(__name__)
 
@@ -19,14 +21,16 @@ class RayCluster:
         self.router = None
         self.address = ""
         self.http_address = ""
+        self.control_address = ""
         self._own_ray = False
         self.name = f"pdserve-{uuid.uuid4().hex[:8]}"  # prefix of every actor of this cluster
+        self._secret: Path | None = None  # the token file this launcher wrote (removed on stop)
 
     def _pin_ports(self) -> None:
         """Choose concrete ports now: a router that Ray restarts must come back where the workers
         and clients already look for it."""
         r = self.cfg.router
-        for attr in ("port", "http_port"):
+        for attr in ("port", "http_port", "control_port"):
             if getattr(r, attr) == 0:
                 with socket.socket() as s:
                     s.bind((r.host, 0))
@@ -53,10 +57,14 @@ class RayCluster:
                 ray.init(address=address, _node_ip_address=r.node_ip_address, log_to_driver=False)
             self._own_ray = True
         self._pin_ports()
+        r = self.cfg.router
+        self._secret = provision_token(self.cfg.security, token_path(f"{r.advertise_host or r.host}:{r.port}"))
+        ClusterIdentity.from_config(self.cfg.security)  # fail here, not inside an actor, when certs are missing
         cfg = self.cfg.model_dump()
         self.router = RouterActor.options(name=f"{self.name}-router").remote(cfg, self.name)
         self.address = ray.get(self.router.address.remote(120.0), timeout=180)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=60)
+        self.control_address = ray.get(self.router.control_address.remote(), timeout=60)
         counts = {role: self.cfg.pool(role).replicas for role in self.cfg.roles}
         ray.get(self.router.start_pools.remote(counts, timeout_s), timeout=timeout_s + 30)
         return self.address
@@ -85,6 +93,8 @@ class RayCluster:
         if self._own_ray and ray.is_initialized():
             ray.shutdown()
             self._own_ray = False
+        remove_secret(self._secret)
+        self._secret = None
 
     def _kill_leftovers(self) -> None:
         """Worker actors are detached: if the router could not stop them, stop them here."""
@@ -96,6 +106,10 @@ class RayCluster:
                     ray.kill(ray.get_actor(name), no_restart=True)
                 except ValueError:
                     pass
+
+    def control_client(self) -> ControlClient:
+        """The internal control plane (Scale), with this cluster's own credentials."""
+        return ControlClient(self.control_address, ClusterIdentity.from_config(self.cfg.security))
 
     def __enter__(self) -> RayCluster:
         self.start()

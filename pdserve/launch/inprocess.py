@@ -5,11 +5,14 @@ benchmarks and single-machine use without Ray."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
+from pathlib import Path
 
-from pdcommon.client import RouterClient
+from pdcommon.client import ControlClient, RouterClient
 from pdcommon.config import ClusterConfig
+from pdcommon.security import ClusterIdentity, provision_token, remove_secret
 from pdcommon.worker_runtime import WorkerRuntime
 from pdserve.launch.roles import serve_worker
 from router import RouterServer
@@ -25,11 +28,13 @@ class InProcessCluster:
         self.address = ""
         self.stop_event: asyncio.Event | None = None
         self.tasks: list[asyncio.Task] = []
+        self._secret: Path | None = None
 
     def _run(self, coro, timeout: float = 120):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def start(self) -> InProcessCluster:
+        self._secret = provision_token(self.cfg.security, Path(tempfile.mkdtemp(prefix="pdserve-")) / "token")
         self.thread.start()
 
         async def up() -> str:
@@ -39,7 +44,7 @@ class InProcessCluster:
             for role, n in self.counts.items():
                 for i in range(n):
                     self.tasks.append(asyncio.create_task(
-                        serve_worker(self.cfg, role, f"{role}-{i}", addr, self.stop_event)))
+                        serve_worker(self.cfg, role, f"{role}-{i}", self.router.control_address, self.stop_event)))
             await self.router.wait_ready(self.counts, 120)
             return addr
 
@@ -79,6 +84,11 @@ class InProcessCluster:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=10)
+            remove_secret(self._secret)
+
+    def control_client(self) -> ControlClient:
+        """The internal control plane (Scale), with this cluster's own credentials."""
+        return ControlClient(self.router.control_address, ClusterIdentity.from_config(self.cfg.security))
 
     def __enter__(self) -> InProcessCluster:
         return self.start()
