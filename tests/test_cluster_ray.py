@@ -16,10 +16,18 @@ from tests.cluster_utils import cluster_config, wait_pools_empty
 from tests.conftest import hf_greedy
 
 
-@pytest.fixture(scope="module", params=["zmq", "grpc"])
-def cluster(request, stories_path):
-    with RayCluster(cluster_config(stories_path, request.param, 2, 2)) as c:
-        c.transport = request.param
+@pytest.fixture(scope="module", params=["zmq", "grpc", "grpc-mtls"])
+def cluster(request, stories_path, tmp_path_factory):
+    """Each transport in token mode (the default), and gRPC under mutual TLS: control calls and KV
+    both over TLS with the cluster's certificates."""
+    transport, _, mtls = request.param.partition("-")
+    extra = {}
+    if mtls:
+        from pdserve.certs import make_certs
+
+        extra = {"security.mode": "mtls", "security.certs_dir": str(make_certs(tmp_path_factory.mktemp("certs")))}
+    with RayCluster(cluster_config(stories_path, transport, 2, 2, **extra)) as c:
+        c.transport = transport
         yield c
 
 

@@ -13,12 +13,17 @@ from pdserve.launch.cluster import RayCluster
 from tests.cluster_utils import cluster_config, wait_pools_empty
 
 
-def test_scale_decode_pool_while_streaming(stories_path, story):
+def test_scale_decode_pool_while_streaming(stories_path, story, tmp_path):
+    """Under mutual TLS (token mode's Scale is covered by tests/test_cli.py): new workers join with
+    the cluster's certificates and the operator's Scale call needs them too."""
+    from pdserve.certs import make_certs
+
     ref_engine = LLMEngine(EngineConfig(model=stories_path))
     prompts = [story[: 5 + 3 * i] for i in range(16)]
     params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     refs = [r["token_ids"] for r in ref_engine.generate(prompts, params)]
-    cfg = cluster_config(stories_path, "zmq", 1, 1)
+    cfg = cluster_config(stories_path, "zmq", 1, 1, **{"security.mode": "mtls",
+                                                      "security.certs_dir": str(make_certs(tmp_path / "certs"))})
     results: dict[int, object] = {}
 
     with RayCluster(cfg) as cluster, RouterClient(cluster.address) as client, cluster.control_client() as control:

@@ -211,3 +211,21 @@ def test_curve_encrypts_kv_and_refuses_plain_senders(stories_path):
             sender.close()
         assert h.state is TransferState.FAILED and "no acknowledgement" in h.error
         cl.wait_idle()
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_mtls_cluster_generates_streams_and_cancels(stories_path, tmp_path, transport):
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    ref = eng.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0))[0]["token_ids"]
+    cfg = make_config(stories_path, **{"transfer.transport": transport, "security.mode": "mtls",
+                                       "security.certs_dir": str(make_certs(tmp_path / "certs"))})
+    with InProcessCluster(cfg) as cl, cl.client() as c:
+        assert c.generate(make_request(PROMPT, max_tokens=16)).token_ids == ref
+        streamed = []
+        for msg in c.stream(make_request(PROMPT, max_tokens=16)):
+            streamed += msg.token_ids
+        assert streamed == ref
+        stream = c.stream(make_request(PROMPT, max_tokens=400, ignore_eos=True))
+        next(stream)
+        stream.cancel()  # the client goes away mid-stream: everything it held is freed
+        cl.wait_idle()
