@@ -54,7 +54,9 @@ class DecodeService(wrpc.DecodeWorkerServicer):
     def _receive_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                for rx in self.receiver.poll(0.05):
+                # Wakes as soon as KV arrives; the timeout only paces expiry of stalled transfers
+                # (and an idle worker wakes twice a second, not twenty times).
+                for rx in self.receiver.poll(0.5):
                     self._complete(rx)
             except Exception:
                 log.exception("KV receiver loop error")

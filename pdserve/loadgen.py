@@ -59,6 +59,23 @@ class Load:
             raise ValueError("request_rate must be > 0")
 
 
+    def offsets(self, n: int, seed: int) -> list[float]:
+        """When each of n requests is sent, in seconds from the start, as `vllm bench serve` does it:
+        exponential (or constant) gaps, summed, then scaled so the last request goes out at exactly
+        n / rate (the sampled sum misses that by a few percent, which moves req/s from seed to
+        seed). Nothing waits after the last request."""
+        if not math.isfinite(self.request_rate):
+            return [0.0] * n
+        if self.arrival == "poisson":
+            gaps = np.random.default_rng(seed).exponential(1.0 / self.request_rate, n)
+        else:
+            gaps = np.full(n, 1.0 / self.request_rate)
+        t = np.cumsum(gaps)
+        if t[-1] > 0:
+            t *= (n / self.request_rate) / t[-1]
+        return t.tolist()
+
+
 @dataclass(slots=True)
 class Result:
     ok: bool
@@ -215,7 +232,6 @@ async def run_benchmark(target: str, workload: Workload, load: Load, backend: st
             raise ValueError(f"{len(too_long)} requests exceed the model's context length {max_len}")
         for p, m in reqs[: load.warmup]:
             await be.run(p, min(m, 4), Result(False, len(p)))
-        rng = np.random.default_rng(workload.seed)
         sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
         results: list[Result] = []
         done = 0
@@ -239,11 +255,11 @@ async def run_benchmark(target: str, workload: Workload, load: Load, backend: st
                 _progress(done, len(reqs))
 
         tasks = []
-        for p, m in reqs:
+        for (p, m), at in zip(reqs, load.offsets(len(reqs), workload.seed), strict=True):
+            wait = at - (time.perf_counter() - t_begin)  # absolute times: no drift from late wake-ups
+            if wait > 0:
+                await asyncio.sleep(wait)
             tasks.append(asyncio.create_task(one(p, m)))
-            if math.isfinite(load.request_rate):
-                gap = rng.exponential(1.0 / load.request_rate) if load.arrival == "poisson" else 1.0 / load.request_rate
-                await asyncio.sleep(gap)
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t_begin
     finally:

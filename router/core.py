@@ -263,7 +263,11 @@ class RouterCore:
     async def _read(self, st: RequestState, call, worker: WorkerRecord, stall_s: float | None = None):
         """One message from a worker call; a failure becomes RetryAttempt or RequestFailed."""
         try:
-            return await asyncio.wait_for(call.read(), stall_s) if stall_s else await call.read()
+            if stall_s is None:
+                return await call.read()
+            # asyncio.timeout, not wait_for: no extra task per token on the hot path.
+            async with asyncio.timeout(stall_s):
+                return await call.read()
         except TimeoutError:
             self.members.drop(worker.worker_id, f"stalled: no token for {stall_s:.1f}s")
             raise RetryAttempt(f"{worker.role} worker {worker.worker_id} stalled (no token for {stall_s:.1f}s)",

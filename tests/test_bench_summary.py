@@ -38,3 +38,18 @@ def test_tpot_slo_alone_decides_goodput():
     results = [Result(True, 1, output_len=11, ttft=5.0, e2e=6.0), Result(True, 1, output_len=11, ttft=0.1, e2e=3.1)]
     s = summarize(results, duration=1.0, slo_ttft_ms=None, slo_tpot_ms=200)
     assert s["goodput_requests"] == 1  # tpot 100 ms meets, 300 ms misses; ttft is not judged
+
+
+def test_arrival_schedule_matches_vllm_bench_serve():
+    """Poisson gaps scaled so the last request goes out at exactly n / rate (vllm bench serve's
+    normalization), the same for every seed; constant arrivals evenly spaced; inf all at once."""
+    import math
+
+    from pdserve.loadgen import Load
+
+    for seed in range(5):
+        t = Load(request_rate=2.0).offsets(50, seed)
+        assert t[-1] == pytest.approx(25.0) and all(b >= a for a, b in zip(t, t[1:], strict=False))
+        assert len(set(t)) == 50  # random gaps, not a grid
+    assert Load(request_rate=4.0, arrival="constant").offsets(4, 0) == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert Load(request_rate=math.inf).offsets(3, 0) == [0.0, 0.0, 0.0]

@@ -1,0 +1,122 @@
+"""Per-token overhead of the serving stack on stories260K, whose compute is negligible, so what
+is measured is the stack itself (issue #10, target 4):
+
+- the engine alone, in this process: seconds per decode step of one stream;
+- the same stream through a 1 prefill + 1 decode cluster (Ray actors), over HTTP streaming:
+  inter-token latency as the client sees it; the ratio is what the stack adds;
+- a 1-token request over HTTP (non-streaming), p50 over 50 requests;
+- 8-token requests at concurrency 16 and 64: requests/s.
+
+Writes bench/out/overhead.json. Run: .venv/bin/python bench/overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+OUT = Path(__file__).resolve().parent / "out"
+MODEL = ROOT.parent / "shared" / "models" / "stories260K"
+PROMPT = "Once upon a time there was a little girl named Lily"
+STREAM_TOKENS = 200
+
+
+def engine_step_s() -> float:
+    """Median seconds per decode step of one stream, the engine alone (one thread, as a worker)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    eng = LLMEngine(EngineConfig(model=str(MODEL), num_threads=1))
+    params = SamplingParams(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True)
+    eng.add_request("warm", eng.tokenizer.encode(PROMPT), SamplingParams(max_tokens=8, temperature=0))
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request("r", eng.tokenizer.encode(PROMPT), params)
+    times, last = [], None
+    while eng.has_unfinished():
+        eng.step()
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+    return statistics.median(times[1:])  # the first step is the prefill
+
+
+async def stream_itl(session, url: str) -> float:
+    body = {"prompt": PROMPT, "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    gaps, last = [], None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            now = time.perf_counter()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+    return statistics.median(gaps)
+
+
+async def one_token_p50(session, url: str, n: int = 50) -> float:
+    lat = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        async with session.post(url + "/v1/completions", json={"prompt": f"{PROMPT} {i}", "max_tokens": 1}) as r:
+            await r.read()
+        lat.append(time.perf_counter() - t0)
+    return statistics.median(lat)
+
+
+async def throughput(session, url: str, concurrency: int, n: int) -> float:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with sem, session.post(url + "/v1/completions",
+                                     json={"prompt": f"{PROMPT} {i}", "max_tokens": 8, "ignore_eos": True}) as r:
+            await r.read()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return n / (time.perf_counter() - t0)
+
+
+async def against(url: str) -> dict:
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        await stream_itl(s, url)  # warm-up
+        itl = statistics.median([await stream_itl(s, url) for _ in range(3)])
+        return {"stream_itl_s": itl, "one_token_p50_s": await one_token_p50(s, url),
+                "rps_c16": await throughput(s, url, 16, 200), "rps_c64": await throughput(s, url, 64, 400)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=str(OUT / "overhead.json"))
+    args = ap.parse_args()
+    from pdcommon.config import load_config
+    from pdserve.launch.cluster import RayCluster
+
+    step = engine_step_s()
+    cfg = load_config(ROOT / "configs" / "local.yaml", **{"model": str(MODEL), "router.port": 0,
+                                                           "router.http_port": 0})
+    with RayCluster(cfg) as cluster:
+        r = asyncio.run(against(cluster.http_address))
+    result = {"engine_step_s": step, **r, "stack_overhead": r["stream_itl_s"] / step - 1}
+    print(f"engine step {step * 1e3:.2f} ms; stream ITL {r['stream_itl_s'] * 1e3:.2f} ms "
+          f"(stack adds {100 * result['stack_overhead']:.0f}%); "
+          f"1-token request p50 {r['one_token_p50_s'] * 1e3:.1f} ms; "
+          f"8-token req/s at c16 {r['rps_c16']:.1f}, c64 {r['rps_c64']:.1f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"-> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
