@@ -20,6 +20,7 @@ class PrefillSpan:
     num_tokens: int  # new tokens this step
     context_len: int  # tokens in the sequence after this step (cached + new)
     block_table: torch.Tensor  # int64 block ids covering context_len
+    mask: torch.Tensor | None = None  # cached-context spans: [n, ctx] causal (window) mask, by prepare()
 
 
 @dataclass(slots=True)
@@ -30,6 +31,8 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [B, max_blocks], padded with 0
     context_lens: torch.Tensor  # [B]
     max_len: int
+    mask: torch.Tensor | None = None  # [B, 1, 1, max_len]; built once per step by prepare()
+    all_rows: bool = False  # rows are exactly 0..T-1 in order: no gather/scatter needed
 
 
 @dataclass(slots=True)
@@ -39,6 +42,29 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     block_size: int
     sliding_window: int | None = None
+    # Where each new token's K/V goes: block and offset, computed once per step (not per layer).
+    slot_blocks: torch.Tensor | None = None
+    slot_offsets: torch.Tensor | None = None
+
+    def prepare(self, num_tokens: int) -> AttentionMetadata:
+        """Everything every layer would otherwise recompute: slot split, masks, row layout."""
+        bs, dev = self.block_size, self.slot_mapping.device
+        self.slot_blocks, self.slot_offsets = self.slot_mapping // bs, self.slot_mapping % bs
+        for span in self.prefills:
+            if span.context_len != span.num_tokens or self.sliding_window is not None:
+                ctx, n = span.context_len, span.num_tokens
+                span.mask = _window_mask(torch.arange(ctx - n, ctx, device=dev), torch.arange(ctx, device=dev),
+                                         self.sliding_window)
+        for g in self.decode_groups:
+            k_pos = torch.arange(g.max_len, device=dev)
+            mask = k_pos[None, :] < g.context_lens[:, None]
+            if self.sliding_window is not None:
+                mask &= k_pos[None, :] >= g.context_lens[:, None] - self.sliding_window
+            g.mask = mask[:, None, None, :]
+        if not self.prefills and len(self.decode_groups) == 1:
+            g = self.decode_groups[0]
+            g.all_rows = g.rows.shape[0] == num_tokens and bool((g.rows == torch.arange(num_tokens, device=dev)).all())
+        return self
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -52,12 +78,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D] (may be strided
     views). Writes k/v into the cache and returns the attention output [T, H, D]."""
-    bs = meta.block_size
-    blocks, offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
+    if meta.slot_blocks is None:
+        meta.prepare(q.shape[0])
+    blocks, offsets = meta.slot_blocks, meta.slot_offsets
     k_cache[blocks, offsets] = k
     v_cache[blocks, offsets] = v
-    out = torch.empty_like(q)
     kvh, d = k.shape[1], k.shape[2]
+    if not meta.prefills and len(meta.decode_groups) == 1 and meta.decode_groups[0].all_rows:
+        return _decode(q, k_cache, v_cache, meta.decode_groups[0], kvh, d)  # a pure decode step
+    out = torch.empty_like(q)
     for span in meta.prefills:
         s, n, ctx = span.start, span.num_tokens, span.context_len
         # 4-D [1, heads, tokens, dim]: the layout the fused (flash) SDPA kernels take; 3-D falls
@@ -70,19 +99,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         else:
             ks = k_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
             vs = v_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)
-            mask = _window_mask(q_pos, torch.arange(ctx, device=q.device), meta.sliding_window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
         out[s:s + n] = o[0].transpose(0, 1)
     for g in meta.decode_groups:
-        b = g.block_tables.shape[0]
-        ks = k_cache[g.block_tables].reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
-        vs = v_cache[g.block_tables].reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
-        k_pos = torch.arange(g.max_len, device=q.device)
-        mask = k_pos[None, :] < g.context_lens[:, None]
-        if meta.sliding_window is not None:
-            mask &= k_pos[None, :] >= g.context_lens[:, None] - meta.sliding_window
-        qd = q[g.rows].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(qd, ks, vs, attn_mask=mask[:, None, None, :], enable_gqa=True)
-        out[g.rows] = o.squeeze(2)
+        out[g.rows] = _decode(q[g.rows], k_cache, v_cache, g, kvh, d)
     return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, kvh: int,
+            d: int) -> torch.Tensor:
+    """One padded SDPA call for a group of single-token sequences; q: [B, H, D]."""
+    b = g.block_tables.shape[0]
+    ks = k_cache[g.block_tables].reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
+    vs = v_cache[g.block_tables].reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=g.mask, enable_gqa=True)  # [B, H, 1, D]
+    return o.squeeze(2)

@@ -22,6 +22,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Same order of operations as transformers' LlamaRMSNorm: fp32 statistics, then scale.
         dtype = x.dtype
         x = x.float()
@@ -70,14 +72,18 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         residual = x
         x = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        else:  # rotary on q and k heads together: half the ops of doing each alone
+            qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)
         x = residual + self.o_proj(attn.reshape(t, self.q_size))
         residual = x

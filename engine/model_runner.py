@@ -63,7 +63,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
                                  decode_groups=self._decode_groups(dec_rows, dec_tables, dec_lens), block_size=bs,
-                                 sliding_window=self.sliding_window)
+                                 sliding_window=self.sliding_window).prepare(len(ids))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(positions).to(dev), meta, sample_rows
 
