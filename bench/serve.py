@@ -1,0 +1,151 @@
+"""The same serving workloads against several OpenAI-compatible servers in one run (issue #10):
+pdserve in any shape, vLLM (`../shared/peer/vllm.sh serve MODEL PORT`), anything else.
+
+Per target, through the same client (`pdserve.loadgen`'s HTTP backend, streaming completions
+with token-id prompts, so tokenizers do not matter):
+- single-request TTFT at 128, 512 and 2048 prompt tokens: median over 5 distinct prompts (no
+  prefix hits), one request at a time; single-stream ITL (median) from one 64-token stream;
+- a rate sweep of random 512-in / 64-out requests (Poisson, as `vllm bench serve` schedules
+  them): TTFT p50/p99, TPOT p50, ITL p99, output tokens/s against the offered rate, and whether
+  the target keeps up (output >= 95% of offered);
+- SLO attainment at each rate with SLOs of 3x the *first* target's single-request TTFT at 512
+  tokens and 3x its single-stream ITL, and the highest rate at which >= 90% of requests meet both.
+
+Writes bench/out/serve.json and serve.png. Run:
+  .venv/bin/python bench/serve.py --target pdserve=http://127.0.0.1:8000 --target vllm=http://127.0.0.1:8100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+OUT = Path(__file__).resolve().parent / "out"
+TTFT_LENS = (128, 512, 2048)
+
+
+async def single(url: str, seed: int) -> dict:
+    """One request at a time: TTFT per prompt length, and one stream's ITL."""
+    import numpy as np
+
+    from pdserve.loadgen import HttpBackend, Result
+
+    be = HttpBackend(url)
+    try:
+        vocab, max_len = await be.info()
+        rng = np.random.default_rng(seed)
+        vocab = vocab or 32000
+
+        def prompt(n: int) -> list[int]:
+            return rng.integers(3, vocab, n).tolist()
+
+        await be.run(prompt(16), 2, Result(False, 16))  # warm-up
+        ttft = {}
+        for n in TTFT_LENS:
+            if n + 2 > max_len:
+                continue
+            times = []
+            for _ in range(5):
+                res = Result(False, n)
+                await be.run(prompt(n), 2, res)
+                times.append(res.ttft)
+            ttft[n] = statistics.median(times)
+        res = Result(False, 64)
+        await be.run(prompt(64), 64, res)
+        return {"ttft_s": ttft, "itl_s": statistics.median(res.itl) if res.itl else math.nan}
+    finally:
+        await be.close()
+
+
+async def sweep(url: str, rates: list[float], num_prompts: int, slo_ttft_ms: float, slo_tpot_ms: float,
+                seed: int) -> list[dict]:
+    from pdserve.loadgen import Load, Workload, run_benchmark
+
+    rows = []
+    for i, rate in enumerate(rates):
+        # Other prompts at every rate: a server's prefix cache must not serve the second rate's run.
+        report = await run_benchmark(url, Workload(num_prompts, 512, 64, 0.0, 0, seed + 1 + i),
+                                     Load(rate, "poisson", None, 2),
+                                     "http", slo_ttft_ms, slo_tpot_ms, progress=False)
+        s = report["summary"]
+        offered = rate * 64
+        met = s["goodput_requests"] / max(num_prompts, 1)
+        rows.append({"rate": rate, "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_p99_ms": s["ttft_ms"]["p99"],
+                     "tpot_p50_ms": s["tpot_ms"]["p50"], "itl_p99_ms": s["itl_ms"]["p99"],
+                     "output_tok_s": s["output_throughput"], "offered_tok_s": offered,
+                     "keeps_up": s["output_throughput"] >= 0.95 * offered and not s["failed"],
+                     "failed": s["failed"], "slo_attainment": met})
+        print(f"  {url} rate {rate:g}: TTFT p50 {rows[-1]['ttft_p50_ms']:.0f} ms, TPOT p50 "
+              f"{rows[-1]['tpot_p50_ms']:.0f} ms, {s['output_throughput']:.0f}/{offered:.0f} tok/s, "
+              f"SLO met {100 * met:.0f}%", flush=True)
+    return rows
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, t in result["targets"].items():
+        rates = [r["rate"] for r in t["sweep"]]
+        axes[0].plot(rates, [r["ttft_p50_ms"] for r in t["sweep"]], "o-", label=name)
+        axes[1].plot(rates, [r["tpot_p50_ms"] for r in t["sweep"]], "o-", label=name)
+        axes[2].plot(rates, [100 * r["slo_attainment"] for r in t["sweep"]], "o-", label=name)
+    for ax, title in zip(axes, ("TTFT p50 (ms)", "TPOT p50 (ms)", "requests meeting both SLOs (%)"), strict=True):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", action="append", required=True, help="NAME=URL; the first one sets the SLOs")
+    ap.add_argument("--rates", default="1,2,3,4")
+    ap.add_argument("--num-prompts", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(OUT / "serve.json"))
+    args = ap.parse_args()
+    targets = dict(t.split("=", 1) for t in args.target)
+    rates = [float(r) for r in args.rates.split(",")]
+    result: dict = {"rates": rates, "targets": {}}
+    for name, url in targets.items():
+        print(f"{name}: single requests", flush=True)
+        result["targets"][name] = asyncio.run(single(url, args.seed))
+    first = next(iter(result["targets"].values()))
+    # 512 tokens, or the longest prompt the model takes when its context is shorter.
+    slo_ttft = 3e3 * first["ttft_s"].get(512, max(first["ttft_s"].values()))
+    slo_tpot = 3e3 * first["itl_s"]
+    result["slo_ms"] = {"ttft": slo_ttft, "tpot": slo_tpot}
+    for name, url in targets.items():
+        print(f"{name}: rate sweep (SLOs TTFT {slo_ttft:.0f} ms, TPOT {slo_tpot:.1f} ms)", flush=True)
+        t = result["targets"][name]
+        t["sweep"] = asyncio.run(sweep(url, rates, args.num_prompts, slo_ttft, slo_tpot, args.seed))
+        t["max_rate_kept_up"] = max((r["rate"] for r in t["sweep"] if r["keeps_up"]), default=0.0)
+        t["max_rate_90pct_slo"] = max((r["rate"] for r in t["sweep"] if r["slo_attainment"] >= 0.9), default=0.0)
+    names = list(targets)
+    for name in names:
+        t = result["targets"][name]
+        ttft = ", ".join(f"{n}: {1e3 * s:.0f} ms" for n, s in t["ttft_s"].items())
+        print(f"{name:10s} TTFT {ttft}; ITL {1e3 * t['itl_s']:.1f} ms; keeps up to {t['max_rate_kept_up']:g} req/s; "
+              f"90% SLO attainment up to {t['max_rate_90pct_slo']:g} req/s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(result, out.with_suffix(".png"))
+    print(f"-> {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
