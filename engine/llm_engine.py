@@ -171,7 +171,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, tok: int, lp: float) -> RequestOutput:
         seq.token_ids.append(tok)
         seq.output_logprobs.append(lp)
-        if seq.first_token_time is None:
+        first = seq.first_token_time is None
+        if first:
             seq.first_token_time = time.monotonic()
         stream = self.streams[seq.request_id]
         p = seq.params
@@ -193,7 +194,10 @@ class LLMEngine:
             if seq.prefill_only:
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.PREFILLED
-        return self._output(seq, [tok], [lp], text)
+        out = self._output(seq, [tok], [lp], text)
+        if first and seq.first_scheduled_time is not None:
+            out.prefill_s = seq.first_token_time - seq.first_scheduled_time
+        return out
 
     # ---- convenience -------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None

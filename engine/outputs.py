@@ -23,6 +23,9 @@ class RequestOutput:
     # Prefill-only request: first token sampled, KV blocks held for export.
     prefilled: bool = False
     new_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # On the output that carries a sequence's first sampled token: seconds from its first
+    # scheduling to that token (0 otherwise), so a server needs no second call to learn it.
+    prefill_s: float = 0.0
 
 
 @dataclass(slots=True)

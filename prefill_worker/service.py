@@ -94,8 +94,7 @@ class PrefillService(wrpc.PrefillWorkerServicer):
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out = await q.get()
-            _, prefill_s = await loop.call(eng.request_timings, rid)
-            yield wpb.PrefillResponse(first=first_token_to_proto(out, prefill_s))
+            yield wpb.PrefillResponse(first=first_token_to_proto(out, out.prefill_s))
             if not out.finished:
                 await self._ship(rid, request)
         finally:

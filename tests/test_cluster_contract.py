@@ -51,6 +51,7 @@ def test_bfloat16_kv_across_the_wire_equals_engine_alone(stories_path, story):
         out = c.generate(make_request(prompt, max_tokens=30, ignore_eos=True))
         assert out.token_ids == ref["token_ids"]
         assert out.usage["kv_transfer_bytes"] == 7 * block
+        assert 0 < out.timings["prefill"] < out.timings["ttft"]  # carried on the first token's output
         cl.wait_idle()
 
 

@@ -204,3 +204,11 @@ def test_bfloat16_matches_transformers_bfloat16(stories_path, random_models):
                 ref_top = torch.topk(ref.logits[pos][0].float(), 5).indices.tolist()
                 assert b in ref_top and a in ours["top_logprobs"][pos], f"{path} n={n}: diverged at {pos}"
                 break
+
+
+def test_first_output_carries_its_prefill_time(eng):
+    eng.add_request("pt", [1, 403, 407, 261, 378], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == "pt"]
+    assert outs[0].prefill_s > 0 and all(o.prefill_s == 0 for o in outs[1:])
