@@ -15,6 +15,9 @@ over repetitions of each back-to-back pair's ratio. The costs of
 encryption are reported, not targeted: ZeroMQ with CURVE and the gRPC transport over mutual TLS,
 each against its own plain run.
 
+Baselines in the same run: raw ZeroMQ (above) and a raw gRPC client stream of the same bytes in
+the gRPC transport's 4 MiB chunks, read and dropped (`vs_raw_grpc` for the gRPC rows).
+
 Part 2: TTFT split into queue / prefill / first-token delivery, plus the KV transfer time, for
 128- and 2048-token prompts through a real router + prefill + decode on the 50M model.
 
@@ -81,6 +84,54 @@ def tls_credentials(certs_dir: str | None) -> dict:
     return ClusterIdentity("mtls", certs=Certs.load(certs_dir)).transfer_credentials()
 
 
+RAW_GRPC_METHOD = "/bench.Raw/Push"
+
+
+def _raw_grpc_receiver(addr_q, ctrl_q) -> None:
+    """The gRPC baseline: a client-streaming call of raw byte chunks, read and dropped, then a
+    one-message reply. Same chunking as the gRPC transport; no header, checks or landing."""
+    from concurrent import futures
+
+    import grpc
+
+    from transfer.grpc_transport import _OPTIONS
+
+    def push(chunks, context) -> bytes:
+        n = sum(len(c) for c in chunks)
+        return str(n).encode()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    addr_q.put(({"off": f"127.0.0.1:{port}"}, ""))
+    ctrl_q.get()
+    server.stop(0)
+
+
+def _raw_grpc_rows(addr: str, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
+    import grpc
+
+    from transfer.grpc_transport import _OPTIONS, CHUNK
+
+    rows = []
+    with grpc.insecure_channel(addr, options=_OPTIONS) as ch:
+        call = ch.stream_unary(RAW_GRPC_METHOD)
+        for size in sizes:
+            n = size * (1 << 20) // block_nbytes
+            whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
+            best = float("inf")
+            for r in range(_reps(size, reps) + 1):
+                t0 = time.perf_counter()
+                call(iter([bytes(whole[i:i + CHUNK]) for i in range(0, whole.nbytes, CHUNK)]), timeout=120)
+                if r:
+                    best = min(best, time.perf_counter() - t0)
+            rows.append({"transport": "raw_grpc", "mib": size, "seconds": best,
+                         "gb_per_s": n * block_nbytes / best / 1e9})
+    return rows
+
+
 def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, curve: bool = False,
                   certs_dir: str | None = None) -> None:
     import threading
@@ -94,6 +145,9 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, cu
     from transfer import make_receiver, verify
 
     torch.set_num_threads(1)
+    if transport == "raw_grpc":
+        _raw_grpc_receiver(addr_q, ctrl_q)
+        return
     if transport == "raw":
         ctx = zmq.Context()
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -205,6 +259,11 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     addrs, peer_key = addr_q.get(timeout=60)
     addr = addrs["off"]
     rows = []
+    if transport == "raw_grpc":
+        rows = _raw_grpc_rows(addr, kv, block_nbytes, sizes, reps)
+        ctrl_q.put("stop")
+        proc.join(30)
+        return rows
     if transport == "raw":
         zctx = zmq.Context()
         push, pull = zctx.socket(zmq.PUSH), zctx.socket(zmq.PULL)
@@ -341,15 +400,19 @@ def main() -> int:
     args = ap.parse_args()
     reps = 2 if args.quick else 3
     result: dict = {"throughput": [], "ttft": []}
-    for transport, variant in (("raw", "plain"), ("zmq", "plain"), ("grpc", "plain"), ("zmq", "curve"),
-                               ("grpc", "tls")):
+    for transport, variant in (("raw", "plain"), ("raw_grpc", "plain"), ("zmq", "plain"), ("grpc", "plain"),
+                               ("zmq", "curve"), ("grpc", "tls")):
         result["throughput"] += bench_transport(transport, SIZES_MIB, reps, variant)
     raw = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_zmq"}
+    raw_grpc = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc"}
     result["security"] = security_summary(result["throughput"])
     for r in result["throughput"]:
         r["vs_raw_zmq"] = r["gb_per_s"] / raw[r["mib"]]
+        if r["transport"] == "grpc":  # the gRPC transport against a raw gRPC stream of the same bytes
+            r["vs_raw_grpc"] = r["gb_per_s"] / raw_grpc[r["mib"]]
         print(f"{r['transport']:8s} {r.get('security', ''):11s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
-              f"({100 * r['vs_raw_zmq']:5.1f}% of raw)"
+              f"({100 * r['vs_raw_zmq']:5.1f}% of raw zmq"
+              + (f", {100 * r['vs_raw_grpc']:5.1f}% of raw grpc)" if "vs_raw_grpc" in r else ")")
               + (f"  pack {r['breakdown_s']['pack'] * 1e3:.1f} ms, wire+ack "
                  f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "
                  f"{r['breakdown_s']['check_and_land'] * 1e3:.1f} ms" if "breakdown_s" in r else ""))
