@@ -20,7 +20,8 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
         receiver = make_receiver(t.transport, host=pool.host, port=pool.transfer_port,
                                  advertise_host=pool.advertise_host, sink=service, partial_timeout_s=t.timeout_s,
                                  max_frame_bytes=t.max_frame_bytes, keys=service.transfer_key, curve=t.curve,
-                                 max_per_peer=t.max_transfers_per_peer, **_tls(rt, "server_credentials"))
+                                 max_per_peer=t.max_transfers_per_peer,
+                                 server_credentials=rt.identity.transfer_credentials().get("server_credentials"))
         rt.transfer_address = receiver.address
         rt.transfer_public_key = getattr(receiver, "public_key", "")
         service.attach(receiver)
@@ -29,9 +30,3 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
         await rt.run(lambda server: add_to_server(server, service), stop, started)
     finally:
         service.close()
-
-
-def _tls(rt: WorkerRuntime, which: str) -> dict:
-    """The gRPC transport's TLS credentials under mtls (ZeroMQ has CURVE instead)."""
-    creds = rt.identity.transfer_credentials() if rt.cfg.transfer.transport == "grpc" else {}
-    return {which: creds[which]} if which in creds else {}

@@ -308,13 +308,6 @@ class LLMEngine:
         out = self._append_token(seq, first_token, first_logprob)
         return out if out.finished else None
 
-    def request_timings(self, request_id: str) -> tuple[float, float]:
-        """(queue, prefill) seconds of a live request: arrival -> first scheduled -> first token."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.first_scheduled_time is None or seq.first_token_time is None:
-            return 0.0, 0.0
-        return seq.first_scheduled_time - seq.arrival_time, seq.first_token_time - seq.first_scheduled_time
-
     def orphan_refs(self) -> int:
         """Block references that no live request holds: 0 unless something leaked."""
         return self.bm.total_refs - sum(len(s.block_table) for s in self.seqs.values())

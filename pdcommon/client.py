@@ -89,10 +89,6 @@ class RouterClient:
     def health(self) -> pb.HealthResponse:
         return self.stub.Health(pb.HealthRequest(), timeout=10, metadata=self.metadata)
 
-    def control(self, identity: ClusterIdentity) -> ControlClient:
-        """The cluster's internal control plane, at the address this router reports."""
-        return ControlClient(self.status().control_address, identity)
-
     def close(self) -> None:
         self.channel.close()
 

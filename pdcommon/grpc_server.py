@@ -64,6 +64,22 @@ def _stream(fn):
     return handle
 
 
+def refusal(code: grpc.StatusCode, message: str, streaming: bool) -> grpc.RpcMethodHandler:
+    """A handler that refuses a call without running anything or parsing the request (for
+    interceptors: API keys on the public API, the cluster token on the control plane)."""
+
+    async def unary(request, context):
+        await context.abort(code, message)
+
+    async def stream(request, context):
+        await context.abort(code, message)
+        yield  # an async generator, as a streaming handler must be
+
+    if streaming:
+        return grpc.unary_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
+
+
 def add_service(server: grpc.aio.Server, servicer: Any, service: ServiceDescriptor) -> None:
     """Register `servicer` for every unary-request method of `service` (by descriptor, the same
     names and types the generated code uses)."""

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import grpc
 
+from pdcommon.grpc_server import refusal
+
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
@@ -109,10 +111,12 @@ class ClusterIdentity:
     def bind(self, server: grpc.Server | grpc.aio.Server, address: str) -> int:
         """Add a listening port with this mode's transport security (0: could not bind)."""
         if self.mode == "mtls":
-            creds = grpc.ssl_server_credentials([(self.certs.key, self.certs.cert)], root_certificates=self.certs.ca,
-                                                require_client_auth=True)
-            return server.add_secure_port(address, creds)
+            return server.add_secure_port(address, self._server_creds())
         return server.add_insecure_port(address)
+
+    def _server_creds(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.certs.key, self.certs.cert)], root_certificates=self.certs.ca,
+                                           require_client_auth=True)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [TokenInterceptor(self._token)] if self.mode == "token" else []
@@ -144,9 +148,7 @@ class ClusterIdentity:
         if self.mode != "mtls":
             return {}
         creds, extra = self._channel_creds()
-        server = grpc.ssl_server_credentials([(self.certs.key, self.certs.cert)], root_certificates=self.certs.ca,
-                                             require_client_auth=True)
-        return {"server_credentials": server, "channel_credentials": creds, "channel_options": extra}
+        return {"server_credentials": self._server_creds(), "channel_credentials": creds, "channel_options": extra}
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -162,25 +164,10 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:  # unknown method: let grpc answer UNIMPLEMENTED as usual
             return None
-        return _deny(handler)
+        return refusal(grpc.StatusCode.UNAUTHENTICATED, _DENIED, handler.response_streaming)
 
 
 _DENIED = "this is the cluster's internal control plane: the call lacks the cluster token"
-
-
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape that refuses without running anything or parsing the request."""
-
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-
-    async def stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-        yield  # an async generator, as a streaming handler must be
-
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(stream)
-    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 # ---- launchers: `pdserve up` and the in-process cluster provision the secret themselves ------------

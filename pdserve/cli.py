@@ -170,7 +170,7 @@ def _operator_identity(args: argparse.Namespace):
     """Cluster credentials for an operator command: from --config, else the token `pdserve up`
     left for this router on this machine, else the environment."""
     from pdcommon.config import load_config
-    from pdcommon.security import TOKEN_ENV, ClusterIdentity, token_path
+    from pdcommon.security import CERTS_ENV, TOKEN_ENV, ClusterIdentity, token_path
 
     if args.config:
         return ClusterIdentity.from_config(load_config(args.config).security)
@@ -178,7 +178,7 @@ def _operator_identity(args: argparse.Namespace):
     saved = token_path(args.router.removeprefix("grpc://"))
     if saved.exists() and not os.environ.get(TOKEN_ENV):
         sec.token_file = str(saved)
-    elif os.environ.get("PDSERVE_CERTS_DIR") and not os.environ.get(TOKEN_ENV):
+    elif os.environ.get(CERTS_ENV) and not os.environ.get(TOKEN_ENV):
         sec.mode = "mtls"
     return ClusterIdentity.from_config(sec)
 

@@ -13,7 +13,7 @@ from transfer import make_sender
 async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: asyncio.Event | None = None,
                 started: asyncio.Future | None = None) -> None:
     rt = WorkerRuntime(cfg, "prefill", worker_id, router_address)
-    tls = rt.identity.transfer_credentials() if cfg.transfer.transport == "grpc" else {}
+    tls = rt.identity.transfer_credentials()  # used by the gRPC transport only
     sender = make_sender(cfg.transfer.transport, curve=cfg.transfer.curve,
                          channel_credentials=tls.get("channel_credentials"), channel_options=tls.get("channel_options"))
     service = PrefillService(rt, sender)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import grpc
 
+from pdcommon.grpc_server import refusal
+
 ENV = "PDSERVE_API_KEYS"
 PUBLIC_SERVICE = "/pdserve.v1.Router/"
 OPEN_PROBES = ("/health", "/metrics")  # open unless router.protect_probes
@@ -64,19 +66,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         md = {k: v for k, v in (details.invocation_metadata or ())}
         if self.keys.check(md.get("authorization")):
             return await continuation(details)
-        return _deny(method.endswith("/Generate"))
+        return refusal(grpc.StatusCode.UNAUTHENTICATED, _DENIED, method.endswith("/Generate"))
 
 
-def _deny(streaming: bool):
-    message = "missing or invalid API key: send 'authorization: Bearer <key>' metadata"
-
-    async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # an async generator, as the streaming handler must be
-
-    if streaming:
-        return grpc.unary_stream_rpc_method_handler(stream)
-    return grpc.unary_unary_rpc_method_handler(unary)
+_DENIED = "missing or invalid API key: send 'authorization: Bearer <key>' metadata"

@@ -10,7 +10,7 @@ from pdcommon.config import ClusterConfig, load_config, set_dotted
 from pdcommon.security import new_token, write_secret
 from pdserve.launch.inprocess import InProcessCluster
 
-__all__ = ["InProcessCluster", "cluster_config", "make_config", "wait_pools_empty"]
+__all__ = ["InProcessCluster", "cluster_config", "make_config", "send_once", "wait_pools_empty"]
 
 
 def make_config(model: str, **overrides) -> ClusterConfig:
@@ -22,6 +22,21 @@ def make_config(model: str, **overrides) -> ClusterConfig:
 
 
 HEARTBEAT = 0.5
+
+
+def send_once(transport: str, dest: str, header, frames, timeout_s: float = 10, key: bytes | None = None):
+    """Send one transfer from a fresh sender and wait for its outcome (its own timeout ends it)."""
+    from transfer import make_sender
+
+    sender = make_sender(transport)
+    try:
+        h = sender.send(dest, header, frames, timeout_s=timeout_s, key=key)
+        while not h.done:
+            sender.poll()
+            time.sleep(0.002)
+        return h
+    finally:
+        sender.close()
 
 
 def cluster_config(model: str, transport: str, prefill: int, decode: int, **extra):

@@ -12,7 +12,7 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from pdcommon.client import make_request
 from pdcommon.v1 import router_pb2 as pb
-from tests.cluster_utils import InProcessCluster, make_config
+from tests.cluster_utils import InProcessCluster, make_config, send_once
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_stale_attempt_transfer_is_refused(cluster):
     from pdcommon.convert import params_to_proto
     from pdcommon.v1 import worker_pb2 as wpb
     from pdcommon.v1 import worker_pb2_grpc as wrpc
-    from transfer import TransferState, build_header, make_sender
+    from transfer import TransferState, build_header
 
     dec = next(w for w in cluster.core.members.workers.values() if w.role == "decode")
     layout = next(rt for rt in cluster.runtimes() if rt.role == "decode").engine.kv_layout
@@ -192,14 +192,7 @@ def test_stale_attempt_transfer_is_refused(cluster):
         frame = memoryview(bytes(layout.block_nbytes))
         header = build_header("stale-1", layout.dtype, list(layout.block_shape), frame.nbytes, [None], [frame], [1],
                               meta={"attempt": 0, "first_token": 5, "first_logprob": 0.0})
-        sender = make_sender("zmq")
-        try:
-            h = sender.send(dec.transfer_address, header, [frame], timeout_s=10, key=key)
-            while not h.done:
-                sender.poll()
-                time.sleep(0.001)
-        finally:
-            sender.close()
+        h = send_once("zmq", dec.transfer_address, header, [frame], key=key)
         assert h.state is TransferState.FAILED and "stale transfer of attempt 0" in h.error
         call.cancel()
     cluster.wait_idle()

@@ -8,7 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -20,8 +19,8 @@ from pdcommon.convert import params_to_proto
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 from pdserve.certs import make_certs
-from tests.cluster_utils import InProcessCluster, make_config
-from transfer import TransferState, build_header, make_sender
+from tests.cluster_utils import InProcessCluster, make_config, send_once
+from transfer import TransferState, build_header
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "Once upon a time there was a little girl"
@@ -141,15 +140,7 @@ def _forge(dec, rid: str, layout, n_blocks: int, key: bytes | None, transport: s
     frame = memoryview(bytes([7]) * (layout.block_nbytes * n_blocks))
     header = build_header(rid, layout.dtype, list(layout.block_shape), layout.block_nbytes, [None] * n_blocks,
                           [frame], [n_blocks], meta={"attempt": 0, "first_token": 5, "first_logprob": 0.0})
-    sender = make_sender(transport)
-    try:
-        h = sender.send(dec.transfer_address, header, [frame], timeout_s=10, key=key)
-        while not h.done:
-            sender.poll()
-            time.sleep(0.002)
-    finally:
-        sender.close()
-    return h
+    return send_once(transport, dec.transfer_address, header, [frame], key=key)
 
 
 @pytest.mark.parametrize("transport", ["zmq", "grpc"])
@@ -201,14 +192,7 @@ def test_curve_encrypts_kv_and_refuses_plain_senders(stories_path):
         frame = memoryview(bytes(layout.block_nbytes))
         header = build_header("plain-1", layout.dtype, list(layout.block_shape), layout.block_nbytes, [None],
                               [frame], [1], meta={"attempt": 0})
-        sender = make_sender("zmq")
-        try:
-            h = sender.send(dec.transfer_address, header, [frame], timeout_s=1.5)
-            while not h.done:
-                sender.poll()
-                time.sleep(0.01)
-        finally:
-            sender.close()
+        h = send_once("zmq", dec.transfer_address, header, [frame], timeout_s=1.5)
         assert h.state is TransferState.FAILED and "no acknowledgement" in h.error
         cl.wait_idle()
 

@@ -202,6 +202,22 @@ def test_socket_to_a_vanished_peer_is_closed():
         sender.close()
 
 
+def _ack_while_polling(rx, sock, timeout: float = 3.0) -> dict:
+    """Poll the receiver (it answers only while polled) until `sock` gets an acknowledgement: waiting
+    on the socket alone would race the receiver's processing of the last header."""
+    import msgpack
+    import zmq
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        rx.poll(0.02)
+        try:
+            return msgpack.unpackb(sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            continue
+    raise AssertionError("no acknowledgement came")
+
+
 def test_partial_transfers_expire_and_are_bounded():
     import zmq
 
@@ -217,13 +233,10 @@ def test_partial_transfers_expire_and_are_bounded():
             header, _ = make_payload()
             header.request_id, header.transfer_id = f"r{i}", f"t{i}"
             sock.send_multipart([HEADER, header.encode(), b""])  # no tag: this receiver checks none
-        end = time.monotonic() + 2
-        while rx.num_partial < 2 and time.monotonic() < end:
-            rx.poll(0.05)
+        acks = [_ack_while_polling(rx, sock)]  # the third header's refusal
         assert rx.num_partial == 2  # the third was refused: at most two held
         import msgpack
 
-        acks = [msgpack.unpackb(sock.recv()) for _ in range(1)]
         assert not acks[0]["ok"] and "receiver busy" in acks[0]["err"]
         time.sleep(0.6)
         rx.poll(0.05)
@@ -279,7 +292,6 @@ def test_zmq_frames_must_carry_the_transfer_keys_tag():
 def test_transfers_per_peer_are_bounded():
     """One sender cannot take all of a receiver's room: its transfers beyond max_per_peer are refused
     while another sender's is still taken."""
-    import msgpack
     import zmq
 
     from transfer.zmq_transport import HEADER, ZmqReceiver
@@ -295,12 +307,11 @@ def test_transfers_per_peer_are_bounded():
                 header, _ = make_payload()
                 header.request_id, header.transfer_id = f"r{n}-{i}", f"t{n}-{i}"
                 sock.send_multipart([HEADER, header.encode(), b""])
+        ack = _ack_while_polling(rx, socks[0])
         end = time.monotonic() + 2
-        while rx.num_partial < 3 and time.monotonic() < end:
+        while rx.num_partial < 3 and time.monotonic() < end:  # the second sender's header may come later
             rx.poll(0.05)
-        rx.poll(0.05)
         assert rx.num_partial == 3  # two of the first sender's, one of the second's
-        ack = msgpack.unpackb(socks[0].recv())
         assert not ack["ok"] and ack["tid"] == "t0-2" and "this sender already has 2" in ack["err"]
     finally:
         for sock in socks:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Sequence
 
 from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.wire import KeyLookup, KVHeader, TransferError, check_tag, fill_checksums, header_tag
+from transfer.wire import KeyLookup, KVHeader, TransferError, authorize, fill_checksums, header_tag
 
 _RECEIVERS: dict[str, FakeReceiver] = {}
 _ids = itertools.count()
@@ -46,12 +46,11 @@ class FakeSender(KVSender):
 
         raw = header.encode()
         received = KVHeader.decode(raw)
-        if rx.keys is not None:
-            try:
-                check_tag(header_tag(rx.keys(received), raw), header_tag(key, raw), f"{header.request_id}: header")
-            except TransferError as e:
-                handle.advance(TransferState.FAILED, str(e))
-                return handle
+        try:
+            authorize(rx.keys, received, raw, header_tag(key, raw))
+        except TransferError as e:
+            handle.advance(TransferState.FAILED, str(e))
+            return handle
         # Copy like a real wire would: the receiver must not alias the sender's pool.
         rx.queue.put(ReceivedKV(received, [memoryview(bytes(f)) for f in frames], ack))
         handle.advance(TransferState.SENT)

@@ -18,7 +18,7 @@ import grpc
 import msgpack
 
 from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.wire import KeyLookup, KVHeader, TransferError, check_tag, fill_checksums, header_tag
+from transfer.wire import KeyLookup, KVHeader, TransferError, authorize, fill_checksums, header_tag
 
 METHOD = "/pdserve.v1.KVTransfer/Push"
 CHUNK = 4 << 20
@@ -109,12 +109,7 @@ class GrpcReceiver(KVReceiver):
             raw = next(request_iterator)
             header = KVHeader.decode(raw)
             rid = header.request_id
-            tag = next(request_iterator)
-            if self.keys is not None:  # before a single frame byte is read or allocated
-                key = self.keys(header)
-                if not key:  # a reservation without a key is open to no one, not to everyone
-                    raise TransferError(f"{rid}: the reservation has no transfer key")
-                check_tag(header_tag(key, raw), tag, f"{rid}: KV header")
+            authorize(self.keys, header, raw, next(request_iterator))  # before any frame byte is read
             frames: list[memoryview] = []
             for info in header.frames:
                 buf = bytearray(info.nbytes)

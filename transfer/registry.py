@@ -25,11 +25,12 @@ def _lookup(name: str) -> tuple[Callable[..., KVSender], Callable[..., KVReceive
 
 def make_sender(name: str, curve: bool = False, channel_credentials=None, channel_options=None) -> KVSender:
     """`curve`: encrypt with ZeroMQ CURVE (zmq); `channel_credentials`: TLS for the gRPC transport."""
+    kwargs: dict = {}
     if name == "zmq":
-        return ZmqSender(curve=curve)
-    if name == "grpc":
-        return GrpcSender(channel_credentials, channel_options)
-    return _lookup(name)[0]()
+        kwargs = {"curve": curve}
+    elif name == "grpc":
+        kwargs = {"channel_credentials": channel_credentials, "channel_options": channel_options}
+    return _lookup(name)[0](**kwargs)
 
 
 def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,

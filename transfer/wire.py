@@ -110,6 +110,18 @@ def check_tag(expected: bytes, got: bytes, what: str) -> None:
         raise TransferError(f"{what} is not signed with the reservation's transfer key (refused before landing)")
 
 
+def authorize(keys: KeyLookup | None, header: KVHeader, header_bytes: bytes | memoryview, tag: bytes) -> bytes | None:
+    """The reservation's key once the header's tag checks out (TransferError otherwise); None when
+    the receiver checks nothing (no key lookup: unit tests, the security-off benchmark)."""
+    if keys is None:
+        return None
+    key = keys(header)
+    if not key:  # a reservation without a key is open to no one, not to everyone
+        raise TransferError(f"{header.request_id}: the reservation has no transfer key")
+    check_tag(header_tag(key, header_bytes), tag, f"{header.request_id}: KV header")
+    return key
+
+
 def checksum(buf: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 

@@ -27,7 +27,7 @@ from transfer.wire import (
     KeyLookup,
     KVHeader,
     TransferError,
-    check_tag,
+    authorize,
     checksum,
     frame_tag,
     header_tag,
@@ -294,16 +294,6 @@ class ZmqReceiver(KVReceiver):
             return f"receiver busy: {held} bytes of open transfers, limit {self.max_partial_bytes}"
         return ""
 
-    def _authorize(self, header: KVHeader, raw: memoryview, tag: bytes) -> bytes | None:
-        """The reservation's key once the header's tag checks out (TransferError otherwise)."""
-        if self.keys is None:
-            return None
-        key = self.keys(header)
-        if not key:  # a reservation without a key is open to no one, not to everyone
-            raise TransferError(f"{header.request_id}: the reservation has no transfer key")
-        check_tag(header_tag(key, raw), tag, f"{header.request_id}: KV header")
-        return key
-
     def _on_message(self, parts) -> ReceivedKV | None:
         ident = parts[0].bytes
         kind = parts[1].bytes if len(parts) > 1 else b""
@@ -314,7 +304,7 @@ class ZmqReceiver(KVReceiver):
                 self._queue_ack(ident, "", False, str(e))
                 return None
             try:
-                key = self._authorize(header, parts[2].buffer, parts[3].bytes)
+                key = authorize(self.keys, header, parts[2].buffer, parts[3].bytes)
                 verify_layout(header)
             except TransferError as e:
                 self._queue_ack(ident, header.transfer_id, False, str(e))
