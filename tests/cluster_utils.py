@@ -66,18 +66,11 @@ class ProcessCluster:
     def __init__(self, model: str, tmp_path: Path, prefill: int = 2, decode: int = 2, security: str = "token",
                  **overrides) -> None:
         import os
-        import socket
         import subprocess
         import sys
 
         import yaml
 
-        ports = []
-        for _ in range(2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-        port, control_port = ports
         # Standalone components never make up a secret: like an operator, the test provides one.
         if security == "mtls":
             from pdserve.certs import make_certs
@@ -85,14 +78,14 @@ class ProcessCluster:
             sec = {"mode": "mtls", "certs_dir": str(make_certs(tmp_path / "certs"))}
         else:
             sec = {"mode": security, "token_file": str(write_secret(tmp_path / "cluster.token", new_token()))}
-        cfg = {"model": model, "router": {"port": port, "http_port": 0, "control_port": control_port},
-               "security": sec,
+        # Every port is picked by the process that binds it (a port chosen here and bound later can be
+        # taken meanwhile, e.g. by a worker binding port 0); workers learn the router's from it.
+        cfg = {"model": model, "router": {"port": 0, "http_port": 0}, "security": sec,
                "heartbeat": {"interval_s": 0.3, "timeout_s": 2.0}, "engine": {"num_threads": 1}}
         for key, value in overrides.items():
             set_dotted(cfg, key, value)
         path = tmp_path / "cluster.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        self.address = f"127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "pdserve.cli"]
         env = {"PDSERVE_LOG_FORMAT": "text", **os.environ, "OMP_NUM_THREADS": "1"}
         root = Path(__file__).resolve().parent.parent
@@ -104,10 +97,25 @@ class ProcessCluster:
                                         stderr=subprocess.STDOUT)
 
         self.procs: dict[str, subprocess.Popen] = {"router": start("router", "router")}
+        self.address = self._router_address(tmp_path / "router.log")
+        with RouterClient(self.address) as c:
+            control = c.status().control_address
         for role, n in (("prefill", prefill), ("decode", decode)):
             for i in range(n):
-                self.procs[f"{role}-{i}"] = start(f"{role}-{i}", role, "--worker-id", f"{role}-{i}")
+                self.procs[f"{role}-{i}"] = start(f"{role}-{i}", role, "--worker-id", f"{role}-{i}", "--router",
+                                                  control)
         self.wait_workers(prefill + decode)
+
+    def _router_address(self, log: Path, timeout: float = 60) -> str:
+        """The public address the router process printed once serving."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("router serving on "):
+                    return line.removeprefix("router serving on ").strip()
+            assert self.procs["router"].poll() is None, f"the router exited: {log.read_text()[-2000:]}"
+            time.sleep(0.1)
+        raise AssertionError(f"the router never served: {log.read_text()[-2000:]}")
 
     def wait_workers(self, n: int, timeout: float = 120) -> None:
         end = time.monotonic() + timeout

@@ -154,11 +154,16 @@ def test_standalone_components_and_a_torch_free_router(chat_model, tmp_path):
 
     cfg["security"] = {"token_file": str(write_secret(tmp_path / "token", new_token()))}
     path.write_text(yaml.safe_dump(cfg))
-    procs = {name: subprocess.Popen([*PDSERVE, name, "--config", str(path)], cwd=ROOT, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name in ("router", "prefill", "decode")}
+    def start(name: str) -> subprocess.Popen:
+        return subprocess.Popen([*PDSERVE, name, "--config", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    # The router first: its ports were picked above and freed, and a worker binding port 0 at the
+    # same moment could be given one of them.
+    procs = {"router": start("router")}
     try:
         assert f"127.0.0.1:{rport}" in wait_line(procs["router"], "router serving on")
+        procs.update(prefill=start("prefill"), decode=start("decode"))
         wait_line(procs["prefill"], "serving on")
         wait_line(procs["decode"], "serving on")
         addr = f"127.0.0.1:{rport}"
