@@ -97,14 +97,18 @@ class ProcessCluster:
                                         stderr=subprocess.STDOUT)
 
         self.procs: dict[str, subprocess.Popen] = {"router": start("router", "router")}
-        self.address = self._router_address(tmp_path / "router.log")
-        with RouterClient(self.address) as c:
-            control = c.status().control_address
-        for role, n in (("prefill", prefill), ("decode", decode)):
-            for i in range(n):
-                self.procs[f"{role}-{i}"] = start(f"{role}-{i}", role, "--worker-id", f"{role}-{i}", "--router",
-                                                  control)
-        self.wait_workers(prefill + decode)
+        try:
+            self.address = self._router_address(tmp_path / "router.log")
+            with RouterClient(self.address) as c:
+                control = c.status().control_address
+            for role, n in (("prefill", prefill), ("decode", decode)):
+                for i in range(n):
+                    self.procs[f"{role}-{i}"] = start(f"{role}-{i}", role, "--worker-id", f"{role}-{i}", "--router",
+                                                      control)
+            self.wait_workers(prefill + decode)
+        except BaseException:  # the fixture never gets this object to stop: stop what was started here
+            self.stop()
+            raise
 
     def _router_address(self, log: Path, timeout: float = 60) -> str:
         """The public address the router process printed once serving."""
