@@ -20,7 +20,7 @@ class PrefillSpan:
     num_tokens: int  # new tokens this step
     context_len: int  # tokens in the sequence after this step (cached + new)
     block_table: torch.Tensor  # int64 block ids covering context_len
-    mask: torch.Tensor | None = None  # cached-context spans: [n, ctx] causal (window) mask, by prepare()
+    mask: torch.Tensor | None = None  # cached-context spans under a window: [n, ctx] mask, by prepare()
 
 
 @dataclass(slots=True)
@@ -51,7 +51,9 @@ class AttentionMetadata:
         bs, dev = self.block_size, self.slot_mapping.device
         self.slot_blocks, self.slot_offsets = self.slot_mapping // bs, self.slot_mapping % bs
         for span in self.prefills:
-            if span.context_len != span.num_tokens or self.sliding_window is not None:
+            # A chunk after cached context needs a mask only under a sliding window (or off CPU);
+            # otherwise paged_attention splits it into the unmasked prefix and the causal chunk.
+            if self.sliding_window is not None or (span.context_len != span.num_tokens and dev.type != "cpu"):
                 ctx, n = span.context_len, span.num_tokens
                 span.mask = _window_mask(torch.arange(ctx - n, ctx, device=dev), torch.arange(ctx, device=dev),
                                          self.sliding_window)
@@ -72,6 +74,13 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -
     if window is not None:
         mask &= k_pos[None, :] > q_pos[:, None] - window
     return mask
+
+
+def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """cache[table] for a per-layer pool view whose blocks are each contiguous: index_select over
+    whole blocks copies them as rows, ~2.5x faster than advanced indexing, which copies elementwise."""
+    rows = torch.index_select(cache.flatten(1), 0, table.reshape(-1))
+    return rows.view(*table.shape, *cache.shape[1:])
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -97,20 +106,51 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             ks, vs = k[s:s + n].transpose(0, 1)[None], v[s:s + n].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ks = k_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
-            vs = v_cache[span.block_table].reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
+            ks = gather_blocks(k_cache, span.block_table).reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+            vs = gather_blocks(v_cache, span.block_table).reshape(-1, kvh, d)[:ctx].transpose(0, 1)[None]
+            if span.mask is None:
+                o = _prefix_then_causal(qs, ks, vs, ctx - n)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, enable_gqa=True)
         out[s:s + n] = o[0].transpose(0, 1)
     for g in meta.decode_groups:
         out[g.rows] = _decode(q[g.rows], k_cache, v_cache, g, kvh, d)
     return out
 
 
+def _prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Attention of a chunk q [1, H, n, D] over `prefix` cached tokens plus itself (k, v: [1, KVH,
+    prefix + n, D]) as two flash calls merged by their log-sum-exps: the prefix needs no mask and
+    the chunk is plain causal, so no masked rectangle is computed (~1.3-1.8x faster than one call
+    with an explicit mask, which also gives up the causal block skipping)."""
+    _, h, n, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    # Query heads of one KV head are consecutive: grouped, they share its K/V with no copy.
+    o1, l1 = _flash(q.reshape(1, kvh, g * n, d), k[:, :, :prefix], v[:, :, :prefix])
+    o1, l1 = o1.reshape(1, h, n, d), l1.reshape(1, h, n)
+    kc, vc = k[:, :, prefix:], v[:, :, prefix:]
+    if g > 1:
+        kc, vc = kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1)
+    o2, l2 = _flash(q, kc, vc, is_causal=True)
+    m = torch.maximum(l1, l2)
+    w1, w2 = (l1 - m).exp_(), (l2 - m).exp_()
+    total = w1 + w2
+    return (o1 * (w1 / total)[..., None]).add_(o2 * (w2 / total)[..., None])
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel behind F.scaled_dot_product_attention, which alone returns the
+    log-sum-exp needed to merge partial attentions."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal)[:2]
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup, kvh: int,
             d: int) -> torch.Tensor:
     """One padded SDPA call for a group of single-token sequences; q: [B, H, D]."""
     b = g.block_tables.shape[0]
-    ks = k_cache[g.block_tables].reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
-    vs = v_cache[g.block_tables].reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
+    ks = gather_blocks(k_cache, g.block_tables).reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
+    vs = gather_blocks(v_cache, g.block_tables).reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=g.mask, enable_gqa=True)  # [B, H, 1, D]
     return o.squeeze(2)
