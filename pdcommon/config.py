@@ -140,6 +140,13 @@ class SecuritySection(_Strict):
     certs_dir: str | None = None  # ca.pem, node.pem, node.key; else PDSERVE_CERTS_DIR
 
 
+class ProcessSection(_Strict):
+    # Added to the nice value of each component's serving threads (event loop, gRPC, transfers)
+    # once it has started, so the engine's compute threads win the cores under load; 0: off.
+    # Not applied by the in-process launcher, whose components share one event loop.
+    io_nice: int = Field(10, ge=0, le=19)
+
+
 class RaySection(_Strict):
     address: str | None = None  # None: start an embedded local instance; "auto": join a cluster
     node_ip_address: str = "127.0.0.1"
@@ -159,6 +166,7 @@ class ClusterConfig(_Strict):
     transfer: TransferSection = Field(default_factory=TransferSection)
     heartbeat: HeartbeatSection = Field(default_factory=HeartbeatSection)
     security: SecuritySection = Field(default_factory=SecuritySection)
+    process: ProcessSection = Field(default_factory=ProcessSection)
     ray: RaySection = Field(default_factory=RaySection)
 
     @model_validator(mode="after")

@@ -236,6 +236,7 @@ def _run_async(coro) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    from pdcommon.priority import lower_thread_priority
     from router import serve
 
     cfg = _config(args)
@@ -243,6 +244,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     async def run(stop):
         started = asyncio.get_running_loop().create_future()
         started.add_done_callback(lambda f: print(f"router serving on {f.result()}", flush=True))
+        started.add_done_callback(lambda f: lower_thread_priority(cfg.process.io_nice))
         await serve(cfg, None, stop, started)
 
     return _run_async(run)
@@ -250,6 +252,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def _cmd_worker(args: argparse.Namespace, role: str) -> int:
     import socket
+
+    from pdcommon.priority import lower_thread_priority
 
     cfg = _config(args)
     r = cfg.router
@@ -263,6 +267,8 @@ def _cmd_worker(args: argparse.Namespace, role: str) -> int:
     async def run(stop):
         started = asyncio.get_running_loop().create_future()
         started.add_done_callback(lambda f: print(f"{role} worker {worker_id} serving on {f.result()}", flush=True))
+        # After start: the engine thread, started already, keeps its priority (pdcommon/priority.py).
+        started.add_done_callback(lambda f: lower_thread_priority(cfg.process.io_nice))
         await serve(cfg, worker_id, router_addr, stop, started)
 
     return _run_async(run)

@@ -35,7 +35,7 @@ class RouterActor:
                 await self.launcher.remove_all()
                 await self.server.stop()
 
-        self.host = LoopHost(serve)
+        self.host = LoopHost(serve, self.cfg.process.io_nice)
 
     def address(self, timeout_s: float = 120.0) -> str:
         return self.host.wait(timeout_s)

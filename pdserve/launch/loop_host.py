@@ -8,15 +8,18 @@ import logging
 import threading
 from collections.abc import Callable, Coroutine
 
+from pdcommon.priority import lower_thread_priority
+
 
 class LoopHost:
     """Runs one async serve() in a thread; `started` gets its address."""
 
-    def __init__(self, make: Callable[[asyncio.Event, asyncio.Future], Coroutine]) -> None:
+    def __init__(self, make: Callable[[asyncio.Event, asyncio.Future], Coroutine], io_nice: int = 0) -> None:
         self._ready = threading.Event()
         self._address = ""
         self._error: BaseException | None = None
         self._make = make
+        self._io_nice = io_nice
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -41,6 +44,8 @@ class LoopHost:
             logging.getLogger(__name__).exception("server thread ended with an error")
 
     def _on_started(self, fut: asyncio.Future) -> None:
+        # Runs on the loop thread, after the server started (and a worker's engine thread with it).
+        lower_thread_priority(self._io_nice)
         self._address = fut.result()
         self._ready.set()
 

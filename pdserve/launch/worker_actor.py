@@ -17,7 +17,8 @@ class WorkerActor:
         quiet_logging()
         config = ClusterConfig.model_validate(cfg)
         self.worker_id = worker_id
-        self.host = LoopHost(lambda stop, started: serve_worker(config, role, worker_id, router_address, stop, started))
+        self.host = LoopHost(lambda stop, started: serve_worker(config, role, worker_id, router_address, stop, started),
+                             config.process.io_nice)
 
     def ready(self, timeout_s: float = 300.0) -> str:
         return self.host.wait(timeout_s)
