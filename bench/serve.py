@@ -12,8 +12,12 @@ with token-id prompts, so tokenizers do not matter):
 - SLO attainment at each rate with SLOs of 3x the *first* target's single-request TTFT at 512
   tokens and 3x its single-stream ITL, and the highest rate at which >= 90% of requests meet both.
 
-Writes bench/out/serve.json and serve.png. Run:
+Writes bench/out/serve.json and serve.png. Run against running servers:
   .venv/bin/python bench/serve.py --target pdserve=http://127.0.0.1:8000 --target vllm=http://127.0.0.1:8100
+or let it start each server for its turn only (an idle server's threads and daemons slow the
+measured one on a small machine), e.g.:
+  --target vllm=http://127.0.0.1:8100 --start vllm="../shared/peer/vllm.sh serve MODEL 8100"
+  --target colocated=http://127.0.0.1:8001 --start colocated=".venv/bin/python -m pdserve.cli up --config C.yaml"
 """
 
 from __future__ import annotations
@@ -113,6 +117,65 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path)
 
 
+def run_target(name: str, url: str, args, rates: list[float], result: dict) -> dict:
+    """Single requests (unless done), then the sweep; the first target's numbers set the SLOs."""
+    t = result["targets"].get(name)
+    if t is None:
+        print(f"{name}: single requests", flush=True)
+        t = result["targets"][name] = asyncio.run(single(url, args.seed))
+    if "slo_ms" not in result:
+        # 512 tokens, or the longest prompt the model takes when its context is shorter.
+        result["slo_ms"] = {"ttft": 3e3 * t["ttft_s"].get(512, max(t["ttft_s"].values())), "tpot": 3e3 * t["itl_s"]}
+    slo_ttft, slo_tpot = result["slo_ms"]["ttft"], result["slo_ms"]["tpot"]
+    print(f"{name}: rate sweep (SLOs TTFT {slo_ttft:.0f} ms, TPOT {slo_tpot:.1f} ms)", flush=True)
+    unloaded = t["ttft_s"].get(512, max(t["ttft_s"].values())) + 63 * t["itl_s"]
+    t["sweep"] = asyncio.run(sweep(url, rates, args.num_prompts, slo_ttft, slo_tpot, args.seed, unloaded))
+    t["max_rate_kept_up"] = max((r["rate"] for r in t["sweep"] if r["keeps_up"]), default=0.0)
+    t["max_rate_90pct_slo"] = max((r["rate"] for r in t["sweep"] if r["slo_attainment"] >= 0.9), default=0.0)
+    return t
+
+
+class Server:
+    """A server this run starts (a shell command in its own process group), waits for until its
+    /v1/models answers, and stops (SIGINT, then SIGKILL) when its target is done."""
+
+    def __init__(self, command: str, url: str, timeout_s: float = 600) -> None:
+        self.command, self.url, self.timeout_s = command, url, timeout_s
+
+    def __enter__(self) -> Server:
+        import subprocess
+        import time
+        import urllib.request
+
+        print(f"starting: {self.command}", flush=True)
+        self.proc = subprocess.Popen(self.command, shell=True, start_new_session=True, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        end = time.monotonic() + self.timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.command!r} exited with {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
+                return self
+            except OSError:
+                time.sleep(1)
+        self.__exit__()
+        raise TimeoutError(f"{self.url} did not answer within {self.timeout_s:.0f}s")
+
+    def __exit__(self, *exc) -> None:
+        import os
+        import signal
+        import subprocess
+
+        for sig, wait in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(wait)
+                return
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", action="append", required=True, help="NAME=URL; the first one sets the SLOs")
@@ -120,25 +183,25 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT / "serve.json"))
+    ap.add_argument("--start", action="append", default=[],
+                    help="NAME=COMMAND: start that target's server for its turn only and stop it after")
     args = ap.parse_args()
     targets = dict(t.split("=", 1) for t in args.target)
+    starts = dict(t.split("=", 1) for t in args.start)
     rates = [float(r) for r in args.rates.split(",")]
-    result: dict = {"rates": rates, "targets": {}}
-    for name, url in targets.items():
-        print(f"{name}: single requests", flush=True)
-        result["targets"][name] = asyncio.run(single(url, args.seed))
-    first = next(iter(result["targets"].values()))
-    # 512 tokens, or the longest prompt the model takes when its context is shorter.
-    slo_ttft = 3e3 * first["ttft_s"].get(512, max(first["ttft_s"].values()))
-    slo_tpot = 3e3 * first["itl_s"]
-    result["slo_ms"] = {"ttft": slo_ttft, "tpot": slo_tpot}
-    for name, url in targets.items():
-        print(f"{name}: rate sweep (SLOs TTFT {slo_ttft:.0f} ms, TPOT {slo_tpot:.1f} ms)", flush=True)
-        t = result["targets"][name]
-        unloaded = t["ttft_s"].get(512, max(t["ttft_s"].values())) + 63 * t["itl_s"]
-        t["sweep"] = asyncio.run(sweep(url, rates, args.num_prompts, slo_ttft, slo_tpot, args.seed, unloaded))
-        t["max_rate_kept_up"] = max((r["rate"] for r in t["sweep"] if r["keeps_up"]), default=0.0)
-        t["max_rate_90pct_slo"] = max((r["rate"] for r in t["sweep"] if r["slo_attainment"] >= 0.9), default=0.0)
+    result: dict = {"rates": rates, "targets": {}, "started_alone": sorted(starts)}
+    if starts and len(starts) != len(targets):
+        ap.error("with --start, give one for every target (each server then runs alone)")
+    if starts:  # one server at a time: an idle server's threads and daemons disturb the measured one
+        for name, url in targets.items():
+            with Server(starts[name], url):
+                result["targets"][name] = run_target(name, url, args, rates, result)
+    else:  # servers already running: every single-request phase first, then every sweep
+        for name, url in targets.items():
+            print(f"{name}: single requests", flush=True)
+            result["targets"][name] = asyncio.run(single(url, args.seed))
+        for name, url in targets.items():
+            run_target(name, url, args, rates, result)
     names = list(targets)
     for name in names:
         t = result["targets"][name]
