@@ -45,17 +45,21 @@ def check_device_dtype(device: str, dtype: str) -> torch.device:
     return dev
 
 
-def rope_inv_freq(path: Path, spec: ModelSpec) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(path: Path, spec: ModelSpec, cfg: dict) -> tuple[torch.Tensor, float]:
+    """Rotary frequencies. Plain RoPE is read from config.json here; scaled variants (linear,
+    dynamic, yarn, llama3, ...) come from transformers, whose config and rope modules take ~2 s to
+    import, so a worker serving a plain-RoPE model starts that much sooner."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") == "default":
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        d = spec.head_dim
+        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf_cfg = AutoConfig.from_pretrained(path)
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", "default")
-    if rope_type == "default":
-        theta = float(rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0)))
-        d = spec.head_dim
-        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)), 1.0
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ModelLoadError(f"unsupported rope_type {rope_type!r} in {path}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_cfg, torch.device("cpu"))
@@ -119,7 +123,7 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> Loade
     cfg = read_json(path / "config.json")
     spec = model_spec(cfg, path)
     tokenizer = load_tokenizer(path)
-    inv_freq, attn_scale = rope_inv_freq(path, spec)
+    inv_freq, attn_scale = rope_inv_freq(path, spec, cfg)
     weights = _fused_weights(_load_state(path), spec, path)
     with torch.device("meta"):
         net = DecoderModel(spec, inv_freq.to("meta"), attn_scale)

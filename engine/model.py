@@ -91,13 +91,25 @@ class DecoderLayer(nn.Module):
         return residual + self.down_proj(self.act(gate) * up)
 
 
+# The activations of the supported families, as transformers defines them; importing
+# transformers.activations alone takes ~1 s (it pulls in torch.distributed and dynamo).
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str):
+    if name in _ACTIVATIONS:
+        return _ACTIVATIONS[name]
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]
+
+
 class DecoderModel(nn.Module):
     def __init__(self, spec: ModelSpec, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         super().__init__()
-        from transformers.activations import ACT2FN
-
         self.spec = spec
-        act = ACT2FN[spec.hidden_act]
+        act = activation(spec.hidden_act)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, act) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)

@@ -3,11 +3,13 @@ caching and a KV export/import between two engine instances."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.conftest import check_close, hf_greedy
+from tests.conftest import check_close, hf_greedy, make_random_model
 
 LENGTHS = [1, 2, 5, 17, 33, 100, 250, 480]
 MAX_NEW = 24
@@ -266,3 +268,19 @@ def test_resumed_request_draws_the_same_tokens(stories_path, story_ids, temperat
     while dec.has_unfinished():
         toks += [t for o in dec.step() for t in o.new_token_ids]
     assert sent + toks == full
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 128}])
+def test_scaled_rope_matches_hf(tmp_path, rope):
+    """Scaled RoPE variants come from transformers (plain RoPE is read from config.json)."""
+
+    path = make_random_model("llama", tmp_path / "m", seed=5, rope_theta=50000.0, rope_scaling=rope)
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["rope_parameters"]["rope_type"] == rope["rope_type"]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 300)]
+    eng = LLMEngine(EngineConfig(model=path, block_size=16))
+    for p, out in zip(prompts, eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=5)),
+                      strict=True):
+        check_close(hf_greedy(path, p, 12), out, f"{rope['rope_type']} len {len(p)}")
