@@ -147,6 +147,10 @@ class RouterCore:
 
     async def _attempt(self, st: RequestState):
         """admit -> prefill -> relay, once."""
+        if not self.colocated and st.params.max_tokens == 1:
+            async for msg in self._prefill_only(st):
+                yield msg
+            return
         lease = await self.admission.admit(st)
         st.calls = [lease.call]
         st.decode_worker = lease.worker.worker_id
@@ -164,6 +168,17 @@ class RouterCore:
                 call.cancel()
             st.calls = []
             lease.worker.served += 1
+
+    async def _prefill_only(self, st: RequestState):
+        """A request for one token ends with the prefill: no decode reservation (whose round trip
+        came before the prefill and was a third of a 1-token request's time), no KV to ship."""
+        try:
+            yield await self._prefill(st, None)
+        finally:
+            self._release_prefill(st)
+            for call in st.calls:
+                call.cancel()
+            st.calls = []
 
     def _release_prefill(self, st: RequestState) -> None:
         """The request no longer depends on its prefill worker (its KV landed, or the attempt ended)."""
@@ -185,21 +200,25 @@ class RouterCore:
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "no prefill worker is available")
             await self.members.wait_changed(min(end - time.monotonic(), 1.0))
 
-    async def _prefill(self, st: RequestState, lease: Lease) -> pb.GenerateResponse:
-        """The next token from a prefill worker, which then ships the KV to the lease's worker."""
+    async def _prefill(self, st: RequestState, lease: Lease | None) -> pb.GenerateResponse:
+        """The next token from a prefill worker, which then ships the KV to the lease's worker
+        (without a lease, the request ends with this token and nothing ships)."""
         pw = await self._pick_prefill(st)
         st.prefill_worker = pw.worker_id
-        self.policy.record(st.prefix, pw.worker_id, lease.worker.worker_id)
+        if lease is not None:
+            self.policy.record(st.prefix, pw.worker_id, lease.worker.worker_id)
         # Until its KV lands the request depends on this worker: dropping it fails (retries) the request.
         pw.inflight[st.request_id] = st.fail
         st.prefill_rec = pw
         pw.served += 1
-        call = pw.stub.Prefill(wpb.PrefillRequest(
-            request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
-            decode_transfer_address=lease.worker.transfer_address, skip_blocks=lease.reservation.num_held_blocks,
-            transfer_timeout_s=self.cfg.transfer.timeout_s, attempt=st.attempt, resume_token_ids=st.sent_ids,
-            transfer_key=lease.transfer_key, decode_transfer_public_key=lease.worker.transfer_public_key),
-            timeout=max(st.remaining, 0.001), metadata=self.identity.metadata)
+        req = wpb.PrefillRequest(request_id=st.worker_request_id, prompt_token_ids=st.prompt,
+                                 sampling=params_to_proto(st.params), transfer_timeout_s=self.cfg.transfer.timeout_s,
+                                 attempt=st.attempt, resume_token_ids=st.sent_ids)
+        if lease is not None:
+            req.decode_transfer_address = lease.worker.transfer_address
+            req.skip_blocks = lease.reservation.num_held_blocks
+            req.transfer_key, req.decode_transfer_public_key = lease.transfer_key, lease.worker.transfer_public_key
+        call = pw.stub.Prefill(req, timeout=max(st.remaining, 0.001), metadata=self.identity.metadata)
         st.calls.append(call)  # stays open while the KV ships; cancelled with the attempt
         msg = await self._read(st, call, pw)
         if msg is grpc.aio.EOF:

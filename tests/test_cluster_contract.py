@@ -39,6 +39,21 @@ def test_seeded_sampling_across_the_split_equals_engine_alone(stories_path):
         cl.wait_idle()
 
 
+def test_one_token_request_ends_at_the_prefill_without_a_decode_reservation(stories_path):
+    ref = _engine_alone(stories_path, SamplingParams(max_tokens=1, temperature=0))["token_ids"]
+    with InProcessCluster(make_config(stories_path)) as cl, cl.client() as c:
+        decode = next(rt for rt in cl.runtimes() if rt.role == "decode")
+        served = decode.served
+        for _ in range(3):
+            out = c.generate(make_request(PROMPT, max_tokens=1))
+            assert out.token_ids == ref and out.finish_reason == "length"
+            assert out.prefill_worker and not out.decode_worker
+        assert decode.served == served, "a 1-token request reserved decode capacity"
+        two = c.generate(make_request(PROMPT, max_tokens=2))  # longer ones still go through decode
+        assert two.decode_worker and decode.served == served + 1
+        cl.wait_idle()
+
+
 def test_bfloat16_kv_across_the_wire_equals_engine_alone(stories_path, story):
     """100 prompt tokens (7 blocks, shipped in 3 frames): a short prompt would not do, since the
     tiny model continues "Once upon a time" the same way even with its KV zeroed."""
