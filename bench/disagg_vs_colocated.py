@@ -1,5 +1,5 @@
-"""Disaggregated (1 prefill + 1 decode worker) against colocated (2 workers doing both phases)
-on the same machine, with the same number of worker processes, on the 50M benchmark model.
+"""Disaggregated (1 prefill + 1 decode worker) against colocated (2 workers doing both phases, or
+1 worker with both threads) on the same machine and cores, on the 50M benchmark model.
 
 Workload: short requests (64-token prompts, 64 new tokens) stream while long prompts (2048
 tokens, 16 new tokens) keep arriving. Reports TPOT p99, TTFT p90 and goodput at a few rates
@@ -76,6 +76,8 @@ def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_ev
             "engine.max_num_batched_tokens": 2048, "heartbeat.interval_s": 1.0, "router.request_timeout_s": 600}
     if mode == "colocated":
         over["colocated.replicas"] = 2
+    elif mode == "colocated-1x2":  # one worker with both cores' threads
+        over.update({"mode": "colocated", "colocated.replicas": 1, "engine.num_threads": 2})
     else:
         over.update({"prefill.replicas": 1, "decode.replicas": 1})
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "local.yaml", **over)
@@ -103,8 +105,10 @@ def plot(rows: list[dict], path: Path, slo: tuple) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for mode, style in (("disaggregated", "o-"), ("colocated", "s--")):
+    for mode, style in (("disaggregated", "o-"), ("colocated", "s--"), ("colocated-1x2", "^:")):
         sub = [r for r in rows if r["mode"] == mode]
+        if not sub:
+            continue
         rates = [r["rate"] for r in sub]
         axes[0].plot(rates, [r["summary"]["tpot_ms"]["p99"] for r in sub], style, label=mode)
         axes[1].plot(rates, [r["summary"]["ttft_ms"]["p90"] for r in sub], style, label=mode)
@@ -130,7 +134,8 @@ def main() -> int:
     ap.add_argument("--long-every", type=int, default=5, help="one long prompt per this many requests")
     ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=60.0)
-    ap.add_argument("--modes", default="disaggregated,colocated")
+    ap.add_argument("--modes", default="disaggregated,colocated,colocated-1x2",
+                    help="colocated: 2 workers x 1 thread; colocated-1x2: 1 worker x 2 threads")
     ap.add_argument("--out", default=str(OUT / "disagg_vs_colocated.json"))
     args = ap.parse_args()
     from model_factory import build_bench_model
