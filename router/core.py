@@ -146,35 +146,25 @@ class RouterCore:
                 st.failure = None
 
     async def _attempt(self, st: RequestState):
-        """admit -> prefill -> relay, once."""
-        if not self.colocated and st.params.max_tokens == 1:
-            async for msg in self._prefill_only(st):
-                yield msg
-            return
-        lease = await self.admission.admit(st)
-        st.calls = [lease.call]
-        st.decode_worker = lease.worker.worker_id
+        """admit -> prefill -> relay, once. A 1-token request (disaggregated) skips admission: it
+        ends with the prefill, so it needs no decode reservation (whose round trip came before the
+        prefill and was a third of its time) and no KV ships."""
+        one_token = not self.colocated and st.params.max_tokens == 1
+        lease = None if one_token else await self.admission.admit(st)
+        st.calls = [] if lease is None else [lease.call]
+        if lease is not None:
+            st.decode_worker = lease.worker.worker_id
         try:
             first = await (self._first_local(st, lease) if self.colocated else self._prefill(st, lease))
             yield first
-            if first.finish_reason:
+            if first.finish_reason or lease is None:  # max_tokens 1: the first token always finishes
                 return
             async for msg in self._relay(st, lease):
                 yield msg
         finally:
-            lease.release(st)
-            self._release_prefill(st)
-            for call in st.calls:
-                call.cancel()
-            st.calls = []
-            lease.worker.served += 1
-
-    async def _prefill_only(self, st: RequestState):
-        """A request for one token ends with the prefill: no decode reservation (whose round trip
-        came before the prefill and was a third of a 1-token request's time), no KV to ship."""
-        try:
-            yield await self._prefill(st, None)
-        finally:
+            if lease is not None:
+                lease.release(st)
+                lease.worker.served += 1
             self._release_prefill(st)
             for call in st.calls:
                 call.cancel()
