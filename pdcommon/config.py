@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import typing
 import warnings
@@ -13,6 +14,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 class _Strict(BaseModel):
@@ -145,6 +148,27 @@ class ProcessSection(_Strict):
     # once it has started, so the engine's compute threads win the cores under load; 0: off.
     # Not applied by the in-process launcher, whose components share one event loop.
     io_nice: int = Field(10, ge=0, le=19)
+    # Start engine processes with glibc malloc keeping large blocks (see pdcommon.process_env):
+    # fewer page faults per step, at the price of RSS staying at its peak.
+    tune_malloc: bool = True
+
+
+class SchedulingSection(_Strict):
+    """A colocated worker's token budget from a step-cost profile (`pdserve profile`): the largest
+    prompt chunk whose step beside `decode_batch` decodes at `decode_context` tokens is predicted
+    to take at most `target_step_ms`, never below the chunk that keeps prefill at half its best
+    throughput. Without a profile, engine.max_num_batched_tokens holds as written."""
+
+    profile: str | None = None
+    target_step_ms: float | None = Field(None, gt=0)
+    decode_batch: int = Field(8, ge=1)
+    decode_context: int = Field(512, ge=1)
+
+    @model_validator(mode="after")
+    def _both(self) -> SchedulingSection:
+        if (self.profile is None) != (self.target_step_ms is None):
+            raise ValueError("scheduling: give both profile and target_step_ms, or neither")
+        return self
 
 
 class RaySection(_Strict):
@@ -167,6 +191,7 @@ class ClusterConfig(_Strict):
     heartbeat: HeartbeatSection = Field(default_factory=HeartbeatSection)
     security: SecuritySection = Field(default_factory=SecuritySection)
     process: ProcessSection = Field(default_factory=ProcessSection)
+    scheduling: SchedulingSection = Field(default_factory=SchedulingSection)
     ray: RaySection = Field(default_factory=RaySection)
 
     @model_validator(mode="after")
@@ -257,4 +282,46 @@ def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
     model = Path(cfg.model).expanduser()
     if model.exists():
         cfg.model = str(model.resolve())
+    if cfg.scheduling.profile is not None:
+        _budget_from_profile(cfg)
     return cfg
+
+
+def _budget_from_profile(cfg: ClusterConfig) -> None:
+    """Resolve scheduling.profile into the colocated pool's token budget, here at the edge, so
+    that workers (Ray actors, pods) receive a plain number and need not read the file."""
+    from pdcommon.step_cost import StepCostModel
+
+    sch = cfg.scheduling
+    if cfg.mode != "colocated":
+        warnings.warn("scheduling.profile sets a colocated worker's token budget; this cluster is disaggregated "
+                      "(prefill workers run no decodes beside their prompts), so it is not used", stacklevel=3)
+        return
+    if "max_num_batched_tokens" in cfg.engine.model_fields_set or \
+            "max_num_batched_tokens" in cfg.colocated.engine.model_fields_set:
+        raise ValueError("give either engine.max_num_batched_tokens or scheduling.profile with target_step_ms, "
+                         "not both: the profile chooses the budget")
+    model = StepCostModel.load(Path(sch.profile).expanduser())
+    _check_profile_matches(model, cfg)
+    budget, why = model.choose_budget(sch.target_step_ms / 1e3, sch.decode_batch, sch.decode_context)
+    cfg.colocated.engine.max_num_batched_tokens = budget
+    log.info("colocated token budget %d from %s: %s", budget, sch.profile, why)
+
+
+def _check_profile_matches(model, cfg: ClusterConfig) -> None:
+    from engine.model_meta import model_spec, read_json, resolve_model_path
+
+    try:
+        path = resolve_model_path(cfg.model)
+        spec = model_spec(read_json(path / "config.json"), path)
+    except Exception:  # the model's own errors come when it loads; the profile check is advisory
+        return
+    ours = {"hidden_size": spec.hidden_size, "num_layers": spec.num_layers, "vocab_size": spec.vocab_size}
+    theirs = {k: model.meta.get(k) for k in ours}
+    if theirs != ours:
+        raise ValueError(f"scheduling.profile {cfg.scheduling.profile} was made for another model ({theirs}); "
+                         f"this config serves {cfg.model} ({ours}). Run `pdserve profile` for it")
+    threads = cfg.engine_config("colocated").num_threads
+    if threads and model.meta.get("threads") not in (None, threads):
+        warnings.warn(f"scheduling.profile was measured with {model.meta['threads']} thread(s); colocated workers "
+                      f"run {threads}: its step times will be off", stacklevel=4)

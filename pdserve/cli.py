@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 DEMO_PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog was sad because"]
 
@@ -30,11 +31,9 @@ def _config(args: argparse.Namespace):
         overrides["router.control_port"] = args.control_port
     if getattr(args, "ray_address", None):
         overrides["ray.address"] = args.ray_address
-    from pydantic import ValidationError
-
     try:
         cfg = load_config(args.config, **overrides)
-    except (FileNotFoundError, ValidationError) as e:
+    except (FileNotFoundError, ValueError) as e:  # pydantic's ValidationError is a ValueError
         raise SystemExit(f"error: {e}") from e
     from engine.model_meta import ModelLoadError, resolve_model_path
 
@@ -43,6 +42,21 @@ def _config(args: argparse.Namespace):
     except ModelLoadError as e:
         raise SystemExit(f"error: {e}\n  use --model PATH or set 'model:' in {args.config or 'the config'}") from e
     return cfg
+
+
+def _engine_process_env(args: argparse.Namespace, cfg, role: str) -> None:
+    """A standalone engine process (a Kubernetes pod, `pdserve profile`) starts like a Ray worker:
+    glibc reads its malloc tunables only at process start, so set them and start over. Only for a
+    real command line: `main(argv)` from Python never replaces its caller."""
+    from pdcommon.process_env import engine_process_env, missing_from
+
+    want = engine_process_env(cfg.engine_config(role).num_threads, cfg.process.tune_malloc)
+    if not getattr(args, "command_line", False) or os.environ.get("PDSERVE_REEXEC") or not missing_from(os.environ,
+                                                                                                        want):
+        return
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "pdserve.cli", *sys.argv[1:]],
+              {**os.environ, **want, "PDSERVE_REEXEC": "1"})
 
 
 def _wait_for_signal() -> None:
@@ -166,6 +180,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if all(r["summary"]["completed"] for r in reports) else 1
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Profile one pool's engine in this process; write the step-cost model (JSON) and its plot."""
+    from pdserve.profile import plot, run_profile, summary
+
+    cfg = _config(args)
+    role = args.role or cfg.roles[0]
+    _engine_process_env(args, cfg, role)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"profiling the {role} engine on {cfg.model} (max prompt {args.max_prompt}, max batch {args.max_batch})...",
+          flush=True)
+    model = run_profile(cfg.engine_config(role), max_prompt=args.max_prompt, max_batch=args.max_batch,
+                        repeats=args.repeats)
+    model.save(out)
+    plot(model, out.with_suffix(".png"))
+    print(summary(model))
+    print(f"wrote {out} and {out.with_suffix('.png')} in {model.meta['profile_seconds']:.0f} s")
+    return 0
+
+
 def _operator_identity(args: argparse.Namespace):
     """Cluster credentials for an operator command: from --config, else the token `pdserve up`
     left for this router on this machine, else the environment."""
@@ -256,6 +290,7 @@ def _cmd_worker(args: argparse.Namespace, role: str) -> int:
     from pdcommon.priority import lower_thread_priority
 
     cfg = _config(args)
+    _engine_process_env(args, cfg, role)
     r = cfg.router
     router_addr = args.router or f"{r.advertise_host or r.control_host or r.host}:{r.control_port}"
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
@@ -359,6 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench/out/serve")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("profile", help="measure a pool's engine steps; write the step-cost model (JSON + PNG)")
+    with_config(p)
+    p.add_argument("--role", choices=["prefill", "decode", "colocated"], default=None,
+                   help="whose engine settings to profile (default: the config's first pool)")
+    p.add_argument("--out", default="bench/out/profile.json")
+    p.add_argument("--max-prompt", type=int, default=2048, help="longest prefill step measured (tokens)")
+    p.add_argument("--max-batch", type=int, default=64, help="largest decode batch measured")
+    p.add_argument("--repeats", type=int, default=3)
+    p.set_defaults(func=cmd_profile)
+
     p = sub.add_parser("scale", help="grow or drain a pool (internal control plane: needs cluster credentials)")
     p.add_argument("--router", default="127.0.0.1:50051", help="the router's public gRPC address")
     p.add_argument("--control", default=None, help="its control address (default: as the router reports it)")
@@ -401,6 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = argv is None
     from pdcommon.logs import setup_logging
 
     setup_logging()

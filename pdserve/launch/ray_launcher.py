@@ -13,6 +13,7 @@ import re
 
 import ray
 
+from pdcommon.process_env import engine_process_env
 from pdserve.launch.worker_actor import WorkerActor
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class RayLauncher:
 
     async def add_worker(self, role: str) -> str:
         worker_id = f"{role}-{next(self._ids[role])}"
-        threads = str(self.cfg.get("engine", {}).get("num_threads") or 1)
-        env = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}}
+        pool_engine = (self.cfg.get(role) or {}).get("engine") or {}
+        threads = pool_engine.get("num_threads") or self.cfg.get("engine", {}).get("num_threads")
+        tune = (self.cfg.get("process") or {}).get("tune_malloc", True)
+        # Ray starts a fresh worker process for a runtime_env: these are set from its first instruction.
+        env = {"env_vars": engine_process_env(threads, tune)}
         actor = WorkerActor.options(name=self._actor_name(worker_id), lifetime="detached", runtime_env=env).remote(
             self.cfg, role, worker_id, self.router_address)
         self.actors[worker_id] = actor

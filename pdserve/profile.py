@@ -1,0 +1,185 @@
+"""`pdserve profile`: measure one worker's engine step by step and fit the step-cost model.
+
+It runs the pool's own engine configuration in this process (same model, dtype, threads and KV
+pool) and times single steps through the engine's public API:
+- prefill steps of n tokens, as one prompt and as four prompts of n/4 (the two separate the
+  weights' cost from attention's);
+- decode steps of batch B at a short and a long context;
+- mixed steps (a prompt beside a decode batch), held out of the fit to check its predictions.
+
+The result is a JSON file (pdcommon.step_cost) and a PNG of measured against predicted times.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+from pdcommon.step_cost import StepCostModel, StepSample
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    # Distinct random ids: no prefix hits, no early stops that matter (max_tokens bounds the run).
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _timed_step(eng, expect: int) -> float:
+    t0 = time.perf_counter()
+    outs = eng.step()
+    dt = time.perf_counter() - t0
+    if len(outs) != expect:  # the step did not compute what was asked: the budget split it
+        raise RuntimeError(f"profiling step produced {len(outs)} outputs, expected {expect}")
+    return dt
+
+
+def _drain(eng) -> None:
+    while eng.has_unfinished():
+        eng.step()
+
+
+def _start_decoders(eng, rng, sp, batch: int, context: int, new: int, budget: int) -> None:
+    """`batch` sequences at `context` tokens, stepped until every one is decoding. Those prefilled
+    first decode while the rest prefill, so each gets that many more tokens to go."""
+    vocab = eng.spec.vocab_size
+    new += -(-batch * context // budget) + 1
+    for _ in range(batch):
+        eng.add_request(None, _prompt(rng, context, vocab), sp(max_tokens=new, temperature=0, ignore_eos=True))
+    started = 0
+    while started < batch:
+        started += sum(1 for o in eng.step() if o.num_output_tokens == 1)
+
+
+def measure_prefill(eng, n: int, parts: int, repeats: int, rng: random.Random) -> StepSample:
+    from engine import SamplingParams
+
+    size = n // parts
+    times = []
+    for _ in range(repeats):
+        for _ in range(parts):
+            eng.add_request(None, _prompt(rng, size, eng.spec.vocab_size), SamplingParams(max_tokens=1, temperature=0))
+        times.append(_timed_step(eng, parts))
+        _drain(eng)
+    return StepSample([(size, size)] * parts, [], statistics.median(times))
+
+
+def measure_decode(eng, batch: int, context: int, steps: int, rng: random.Random,
+                   prompt: int = 0) -> StepSample:
+    """Decode steps of `batch` sequences at `context`; with `prompt`, one more prompt of that many
+    tokens shares the first timed step (a mixed step)."""
+    from engine import SamplingParams
+
+    _start_decoders(eng, rng, SamplingParams, batch, context, steps + 2, eng.config.max_num_batched_tokens)
+    if prompt:
+        eng.add_request(None, _prompt(rng, prompt, eng.spec.vocab_size), SamplingParams(max_tokens=1, temperature=0))
+        times = [_timed_step(eng, batch + 1)]
+    else:
+        times = [_timed_step(eng, batch) for _ in range(steps)]
+    _drain(eng)
+    # Contexts grow by one per step: the sample carries their mean.
+    ctx = context + 1 + (len(times) - 1) // 2
+    return StepSample([(prompt, prompt)] if prompt else [], [ctx] * batch, statistics.median(times))
+
+
+def _powers(lo: int, hi: int) -> list[int]:
+    out, n = [], lo
+    while n <= hi:
+        out.append(n)
+        n *= 2
+    return out
+
+
+def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repeats: int = 3, steps: int = 8,
+                log=print) -> StepCostModel:
+    """Profile an engine built from `engine_config` (the pool's own settings; only the token budget,
+    prefix caching and the batch cap are widened so that each measured step is what was asked)."""
+    import dataclasses
+
+    import torch
+
+    from engine import LLMEngine
+
+    limit = engine_config.max_model_len
+    cfg = dataclasses.replace(engine_config, max_num_batched_tokens=max(max_prompt, max_batch) + 64,
+                              prefill_chunk_size=None, enable_prefix_caching=False,
+                              max_num_seqs=max(engine_config.max_num_seqs, max_batch + 1))
+    eng = LLMEngine(cfg)
+    spec, stats = eng.spec, eng.stats()
+    capacity = stats.num_blocks * cfg.block_size
+    max_len = min(eng.max_model_len, limit or eng.max_model_len)
+    rng = random.Random(0)
+    max_prompt = min(max_prompt, max_len - 1, capacity // 2)
+    t0 = time.perf_counter()
+    measure_prefill(eng, min(64, max_prompt), 1, 1, rng)  # warm-up: first calls allocate and pick kernels
+    samples: list[StepSample] = []
+    for n in _powers(16, max_prompt):
+        for parts in (1, 4) if n >= 256 else (1,):
+            samples.append(measure_prefill(eng, n, parts, repeats, rng))
+            log(f"  prefill {parts} x {n // parts:5d} tokens: {samples[-1].seconds * 1e3:8.1f} ms")
+    contexts = sorted({min(32, max_len // 4), min(512, max_len * 3 // 4)})
+    for context in contexts:
+        for b in _powers(1, max_batch):
+            if b * (context + steps + 2) > capacity:
+                log(f"  decode batch {b} at {context} tokens: skipped, needs more KV than the pool's {capacity} tokens")
+                continue
+            samples.append(measure_decode(eng, b, context, steps, rng))
+            log(f"  decode batch {b:3d} at {context:5d} tokens: {samples[-1].seconds * 1e3:8.2f} ms")
+    checks = []
+    for b, p in ((8, min(256, max_prompt)), (4, min(512, max_prompt))):
+        if b * (contexts[-1] + steps + 2) + p <= capacity:
+            checks.append(measure_decode(eng, b, contexts[-1], steps, rng, prompt=p))
+    meta = {"model": cfg.model, "architecture": spec.architecture, "hidden_size": spec.hidden_size,
+            "num_layers": spec.num_layers, "vocab_size": spec.vocab_size, "dtype": cfg.dtype,
+            "device": cfg.device, "block_size": cfg.block_size, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "profile_seconds": round(time.perf_counter() - t0, 1)}
+    model = StepCostModel.fit(samples, kv_capacity_tokens=capacity, meta=meta)
+    model.meta["held_out"] = [{"prefills": c.prefills, "decodes": c.decodes, "seconds": c.seconds,
+                               "predicted": model.step_seconds(c.prefills, c.decodes)} for c in checks]
+    return model
+
+
+def plot(model: StepCostModel, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    pf = [s for s in model.samples if s["prefills"] and not s["decodes"]]
+    for parts in sorted({len(s["prefills"]) for s in pf}):
+        pts = sorted((sum(n for n, _ in s["prefills"]), s) for s in pf if len(s["prefills"]) == parts)
+        ax1.plot([t for t, _ in pts], [s["seconds"] * 1e3 for _, s in pts], "o", label=f"measured, {parts} prompt(s)")
+        ax1.plot([t for t, _ in pts], [s["predicted"] * 1e3 for _, s in pts], "-", alpha=0.6)
+    ax1.set(xscale="log", yscale="log", xlabel="prefill tokens in the step", ylabel="step time (ms)",
+            title="prefill step")
+    ax1.legend(fontsize=8)
+    dec = [s for s in model.samples if s["decodes"] and not s["prefills"]]
+    for ctx in sorted({s["decodes"][0] // 64 for s in dec}):
+        pts = sorted((len(s["decodes"]), s) for s in dec if s["decodes"][0] // 64 == ctx)
+        label = f"context ~{pts[0][1]['decodes'][0]}"
+        ax2.plot([b for b, _ in pts], [s["seconds"] * 1e3 for _, s in pts], "o", label=f"measured, {label}")
+        ax2.plot([b for b, _ in pts], [s["predicted"] * 1e3 for _, s in pts], "-", alpha=0.6)
+    ax2.set(xscale="log", xlabel="decode batch", ylabel="step time (ms)", title="decode step (ITL)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"{Path(model.meta.get('model', '?')).name}, {model.meta.get('threads')} thread(s): "
+                 f"fit error (median) {model.fit_error():.1%}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(model: StepCostModel) -> str:
+    held = model.meta.get("held_out", [])
+    errs = [abs(h["predicted"] - h["seconds"]) / h["seconds"] for h in held]
+    lines = [f"fit: median error {model.fit_error():.1%} on {len(model.samples)} steps"
+             + (f"; held-out mixed steps: {', '.join(f'{e:.0%}' for e in errs)}" if errs else ""),
+             f"prefill 512 tokens: {model.prefill_seconds(512) * 1e3:.1f} ms; ITL batch 1 / 8 at 512: "
+             f"{model.itl_seconds(1, 512) * 1e3:.1f} / {model.itl_seconds(8, 512) * 1e3:.1f} ms; "
+             f"KV capacity {model.kv_capacity_tokens} tokens"]
+    return "\n".join(lines)
