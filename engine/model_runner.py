@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, native_decode_available
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.sampler import sample
@@ -30,6 +30,10 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.sliding_window = model.spec.sliding_window
+        spec, k0 = model.spec, kv_cache.layers[0][0]
+        # The native kernel reads blocks in place: it needs each token's heads laid out densely.
+        self.native_decode = k0.stride(3) == 1 and native_decode_available(
+            k0.dtype, k0.device, spec.num_heads, spec.num_kv_heads, spec.head_dim, kv_cache.block_size)
 
     def _metadata(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -63,18 +67,20 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
                                  decode_groups=self._decode_groups(dec_rows, dec_tables, dec_lens), block_size=bs,
-                                 sliding_window=self.sliding_window).prepare(len(ids))
+                                 sliding_window=self.sliding_window, native_decode=self.native_decode
+                                 ).prepare(len(ids))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.cat(positions).to(dev), meta, sample_rows
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Bucket decode sequences by context length (a new group once the length doubles), so
-        padding costs at most ~2x the real KV read instead of batch x the longest context."""
+        padding costs at most ~2x the real KV read instead of batch x the longest context. The
+        native kernel reads no padding: one group, in row order."""
         groups: list[DecodeGroup] = []
-        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        order = list(range(len(rows))) if self.native_decode else sorted(range(len(rows)), key=lambda i: lens[i])
         start = 0
         for j in range(1, len(order) + 1):
-            if j < len(order) and lens[order[j]] <= 2 * max(lens[order[start]], 64):
+            if j < len(order) and (self.native_decode or lens[order[j]] <= 2 * max(lens[order[start]], 64)):
                 continue
             idx = order[start:j]
             width = max(len(tables[i]) for i in idx)

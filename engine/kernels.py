@@ -1,0 +1,82 @@
+"""Native kernels: C sources in engine/csrc, compiled on first use with the system's C compiler
+and cached by content, compiler and CPU. They are an optimization, never a requirement: where
+no compiler is found or a build fails, `paged_decode` is None and attention uses torch ops.
+
+The shared object links OpenMP by soname (libgomp.so.1). torch has loaded its own copy under
+that name by the time this runs, so the kernel joins torch's thread team instead of starting a
+second runtime whose spinning threads would fight torch's for the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout.strip()
+    key = hashlib.sha256("\0".join([SRC.read_text(), cc, version, *FLAGS, platform.machine(), _cpu_flags()])
+                         .encode()).hexdigest()[:16]
+    out = cache_dir() / f"{SRC.stem}-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes starting together never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def paged_decode():
+    """The C function paged_decode_attention with its argument types, or None."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        log.warning("no C compiler found: decode attention uses torch ops (slower for long contexts)")
+        return None
+    try:
+        import torch  # noqa: F401  (its libgomp must be loaded first; see the module docstring)
+
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native decode attention unavailable (%s): using torch ops", e)
+        return None
+    fn = lib.paged_decode_attention
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, i64, ctypes.c_float, ptr]
+    fn.restype = None
+    limits = [ctypes.c_int() for _ in range(3)]
+    lib.paged_decode_limits(*(ctypes.byref(x) for x in limits))
+    fn.limits = tuple(x.value for x in limits)  # max query heads, head dim, block size
+    return fn

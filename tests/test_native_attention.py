@@ -1,0 +1,91 @@
+"""The native paged decode-attention kernel (engine/csrc) against torch's SDPA, and the engine
+without it (no C compiler): same tokens either way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import DecodeGroup, _native_decode, native_decode_available
+from engine.kernels import paged_decode
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _reference(q, k_cache, v_cache, tables, lens, window):
+    """Plain attention over each sequence's gathered context."""
+    outs = []
+    for i in range(q.shape[0]):
+        n = int(lens[i])
+        k = k_cache[tables[i]].flatten(0, 1)[:n]  # [n, KVH, D]
+        v = v_cache[tables[i]].flatten(0, 1)[:n]
+        lo = max(0, n - window) if window else 0
+        k, v = k[lo:].transpose(0, 1), v[lo:].transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(q[i][:, None], k, v, enable_gqa=True)[:, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.skipif(paged_decode() is None, reason="no C compiler: the kernel is not built here")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size", "window"),
+                         [(8, 4, 64, 16, None), (8, 2, 32, 16, 37), (4, 4, 8, 8, None), (12, 3, 128, 32, 5)])
+def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size, window):
+    g = torch.Generator().manual_seed(heads * dim + block_size)
+    layers, num_blocks = 3, 64
+    # The pool's own layout: per-layer K and V are strided views of one block-major buffer.
+    pool = torch.randn(num_blocks, layers, 2, block_size, kv_heads, dim, generator=g)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    lens = torch.tensor([1, block_size, block_size + 1, 5 * block_size - 3, 3 * block_size + 7, 2], dtype=torch.long)
+    width = int(-(-lens.max() // block_size))
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=g)
+    group = DecodeGroup(rows=torch.arange(len(lens)), block_tables=tables, context_lens=lens, max_len=int(lens.max()))
+    got = _native_decode(q, k_cache, v_cache, group, window)
+    want = _reference(q, k_cache, v_cache, tables, lens, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_availability_follows_dtype_and_limits():
+    if paged_decode() is None:
+        assert not native_decode_available(torch.float32, torch.device("cpu"), 8, 4, 64, 16)
+        return
+    assert native_decode_available(torch.float32, torch.device("cpu"), 8, 4, 64, 16)
+    assert not native_decode_available(torch.bfloat16, torch.device("cpu"), 8, 4, 64, 16)
+    assert not native_decode_available(torch.float32, torch.device("cpu"), 8, 4, 4096, 16)
+
+
+_GENERATE = """
+import json, sys
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kernels import paged_decode
+eng = LLMEngine(EngineConfig(model=sys.argv[1], num_threads=1))
+prompts = ["Once upon a time", "Lily and Ben went to the park to play with"]
+outs = eng.generate(prompts, SamplingParams(max_tokens=80, temperature=0))
+print(json.dumps({"native": eng.runner.native_decode, "kernel": paged_decode() is not None,
+                  "tokens": [o["token_ids"] for o in outs]}))
+"""
+
+
+def _generate(stories_path: str, env: dict) -> dict:
+    r = subprocess.run([sys.executable, "-c", _GENERATE, stories_path], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_engine_without_a_compiler_falls_back_to_the_same_tokens(stories_path, tmp_path):
+    base = {**os.environ, "PDSERVE_KERNEL_CACHE": str(tmp_path / "kernels")}
+    without = _generate(stories_path, {**base, "CC": str(tmp_path / "no-such-compiler")})
+    assert without == {**without, "native": False, "kernel": False}
+    if paged_decode() is None:
+        pytest.skip("no C compiler here: only the fallback path ran")
+    with_kernel = _generate(stories_path, base)
+    assert with_kernel["native"] and with_kernel["kernel"]
+    assert with_kernel["tokens"] == without["tokens"]
+    assert any((tmp_path / "kernels").glob("paged_attention-*.so"))
