@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import TextStream
 from engine.hashing import hash_blocks
 from engine.kv_cache import KVCache
-from engine.loader import load_model
+from engine.loader import choose_gemm_layout, load_model, pack_linears
 from engine.model_meta import KVLayout
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, KVExport, KVReservation, RequestOutput
@@ -49,6 +49,8 @@ class LLMEngine:
         self.model, self.spec, self.tokenizer = loaded.model, loaded.spec, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.device = torch.device(config.device)
+        self.gemm_layout = choose_gemm_layout(config.cpu_gemm, config.dtype, self.device)
+        pack_linears(self.model, self.gemm_layout)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         per_block = KVCache.bytes_per_block(self.spec, config.block_size, config.dtype)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import DecoderModel
+from engine.model import DecoderModel, Linear
 from engine.model_meta import (
     ModelLoadError,
     ModelSpec,
@@ -143,3 +143,20 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> Loade
     for p in net.parameters():
         p.requires_grad_(False)
     return LoadedModel(net, spec, tokenizer, eos_ids(path, cfg, tokenizer), path)
+
+
+def choose_gemm_layout(requested: str, dtype: str, device: torch.device) -> str:
+    """The layout `requested` resolves to here: oneDNN packing needs oneDNN, the CPU and fp32/bf16."""
+    if device.type != "cpu" or dtype not in ("float32", "bfloat16") or not torch.backends.mkldnn.is_available():
+        return "mkl"
+    return requested
+
+
+def pack_linears(net: DecoderModel, layout: str) -> None:
+    """Give every linear layer its oneDNN copy ("onednn" drops the MKL one)."""
+    if layout == "mkl":
+        return
+    with torch.inference_mode():
+        for m in net.modules():
+            if isinstance(m, Linear):
+                m.pack(keep_mkl=layout == "both")

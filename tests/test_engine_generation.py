@@ -284,3 +284,31 @@ def test_scaled_rope_matches_hf(tmp_path, rope):
     for p, out in zip(prompts, eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=5)),
                       strict=True):
         check_close(hf_greedy(path, p, 12), out, f"{rope['rope_type']} len {len(p)}")
+
+
+@pytest.mark.parametrize("layout", ["mkl", "onednn", "both"])
+@pytest.mark.parametrize("arch", ["stories", "qwen2"])
+def test_gemm_layouts_match_hf(stories_path, random_models, arch, layout):
+    """Each CPU GEMM layout, at one row (decode alone) and many (prompts, batches); qwen2 has
+    biases on q/k/v, which oneDNN's packed call applies itself."""
+    path = stories_path if arch == "stories" else random_models[arch]
+    eng = LLMEngine(EngineConfig(model=path, cpu_gemm=layout))
+    assert eng.gemm_layout == layout
+    linears = [m for m in eng.model.modules() if type(m).__name__ == "Linear"]
+    assert all((m.packed is None) == (layout == "mkl") for m in linears)
+    assert all((m.weight_t.numel() == 0) == (layout == "onednn") for m in linears)  # one copy, not two
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 30, 200)]
+    single = eng.generate(prompts[1:2], SamplingParams(max_tokens=12, temperature=0, logprobs=5))
+    batch = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0, logprobs=5))
+    for p, out in zip(prompts[1:2] + prompts, single + batch, strict=True):
+        ref = hf_greedy(path, p, 12)
+        check_close(ref, out, f"{arch} {layout} len {len(p)}")
+        assert abs(out["logprobs"][0] - ref["logprobs"][0]) < 1e-4
+
+
+def test_gemm_layout_resolution(stories_path):
+    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "mkl"
+    assert LLMEngine(EngineConfig(model=stories_path, dtype="float16", cpu_gemm="onednn")).gemm_layout == "mkl"
+    with pytest.raises(ValueError, match="cpu_gemm"):
+        EngineConfig(model=stories_path, cpu_gemm="fast")
