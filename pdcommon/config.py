@@ -148,6 +148,9 @@ class ProcessSection(_Strict):
     # once it has started, so the engine's compute threads win the cores under load; 0: off.
     # Not applied by the in-process launcher, whose components share one event loop.
     io_nice: int = Field(10, ge=0, le=19)
+    # The nice value a Ray actor (router, worker) returns to when it starts: Ray starts worker
+    # processes at 15, below the client and Ray's own daemons (see pdcommon/priority.py).
+    nice: int = Field(0, ge=-20, le=19)
     # Start engine processes with glibc malloc keeping large blocks (see pdcommon.process_env):
     # fewer page faults per step, at the price of RSS staying at its peak.
     tune_malloc: bool = True

@@ -7,6 +7,7 @@ import asyncio
 import ray
 
 from pdcommon.config import ClusterConfig
+from pdcommon.priority import restore_priority
 from pdserve.launch.loop_host import LoopHost, quiet_logging
 from pdserve.launch.ray_launcher import RayLauncher
 
@@ -20,6 +21,7 @@ class RouterActor:
         from router import RouterServer
 
         self.cfg = ClusterConfig.model_validate(cfg)
+        restore_priority(self.cfg.process.nice)  # before any thread starts: they inherit it
         self.launcher = RayLauncher(cfg, cluster_name)
         self.restarted = bool(self.launcher.adopt())
         self.server: RouterServer | None = None

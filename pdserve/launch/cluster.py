@@ -51,8 +51,11 @@ class RayCluster:
             # Ray's own convention: RAY_ADDRESS names a running cluster to join.
             address = r.address or os.environ.get("RAY_ADDRESS")
             if address in (None, "", "local"):
+                # Ray starts workers at nice 15 by default; ours return to process.nice themselves,
+                # which needs privilege, so the embedded instance starts them at 0 to begin with.
                 ray.init(address="local", _node_ip_address=r.node_ip_address, include_dashboard=False,
-                         num_cpus=r.num_cpus or os.cpu_count(), log_to_driver=False, configure_logging=False)
+                         num_cpus=r.num_cpus or os.cpu_count(), log_to_driver=False, configure_logging=False,
+                         _system_config={"worker_niceness": 0})
             else:
                 ray.init(address=address, _node_ip_address=r.node_ip_address, log_to_driver=False)
             self._own_ray = True
