@@ -70,6 +70,21 @@ def test_shared_prefix_hits_cache_and_ships_fewer_bytes(cluster, story):
         wait_pools_empty(client)
 
 
+def test_engines_run_at_normal_priority(cluster, story):
+    """Ray starts worker processes at nice 15; pdserve's workers come back to process.nice (0),
+    so the thread that ran the engine's steps is not behind every other process on the host."""
+    from tests.test_priority import _threads
+
+    pids = cluster.worker_pids()
+    before = {w: _threads(pid) for w, pid in pids.items()}
+    with RouterClient(cluster.address) as client:
+        list(client.stream(make_request(story[:300], max_tokens=100, ignore_eos=True), timeout=60))
+    for w, pid in pids.items():
+        after = _threads(pid)
+        busiest = max(after, key=lambda t: after[t][1] - before[w].get(t, (0, 0))[1])
+        assert after[busiest][0] == 0, f"{w}: its busiest thread runs at nice {after[busiest][0]}"
+
+
 def test_sigkill_decode_worker_mid_stream(cluster, stories_path, story):
     """Runs last on each cluster: afterwards one decode worker is gone. Its streams resume on the
     other decode worker: every client gets the whole, identical answer and no error."""
