@@ -61,7 +61,7 @@ class AttentionMetadata:
                 span.mask = _window_mask(torch.arange(ctx - n, ctx, device=dev), torch.arange(ctx, device=dev),
                                          self.sliding_window)
         for g in self.decode_groups:
-            if dev.type == "cpu" and self.native_decode:
+            if self.native_decode:
                 continue  # the native kernel reads context_lens itself: no mask to build
             k_pos = torch.arange(g.max_len, device=dev)
             mask = k_pos[None, :] < g.context_lens[:, None]
@@ -187,7 +187,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: De
             d: int, meta: AttentionMetadata) -> torch.Tensor:
     """Attention for a group of single-token sequences; q: [B, H, D]. Natively where it can,
     else one padded SDPA call."""
-    if meta.native_decode and q.device.type == "cpu":
+    if meta.native_decode:  # set only for CPU fp32 pools (native_decode_available)
         return _native_decode(q, k_cache, v_cache, g, meta.sliding_window)
     b = g.block_tables.shape[0]
     ks = gather_blocks(k_cache, g.block_tables).reshape(b, -1, kvh, d)[:, :g.max_len].transpose(1, 2)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 DType = Literal["float32", "bfloat16", "float16"]
 GemmLayout = Literal["mkl", "onednn", "both"]
+_GEMM_LAYOUTS = get_args(GemmLayout)
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -54,8 +55,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and int(value) < 1:
                 raise ValueError(f"{name} must be >= 1 when set, got {value}")
-        if self.cpu_gemm not in ("mkl", "onednn", "both"):
-            raise ValueError(f"cpu_gemm must be one of mkl, onednn, both; got {self.cpu_gemm!r}")
+        if self.cpu_gemm not in _GEMM_LAYOUTS:
+            raise ValueError(f"cpu_gemm must be one of {', '.join(_GEMM_LAYOUTS)}; got {self.cpu_gemm!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 

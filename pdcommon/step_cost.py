@@ -134,9 +134,10 @@ class StepCostModel:
         def throughput(p: int) -> float:
             return p / self.step_seconds([(p, p)])
 
-        best = max(throughput(p) for p in range(16, cap + 1, 16))
-        floor = next(p for p in range(16, cap + 1, 16) if throughput(p) >= min_efficiency * best)
-        fits = [p for p in range(16, cap + 1, 16) if mixed(p) <= target_step_s]
+        chunks = range(16, cap + 1, 16)
+        rates = [throughput(p) for p in chunks]
+        floor = next(p for p, r in zip(chunks, rates, strict=True) if r >= min_efficiency * max(rates))
+        fits = [p for p in chunks if mixed(p) <= target_step_s]
         chunk = max(fits) if fits else 0
         base = f"{decode_batch} decodes at {decode_context} tokens"
         if chunk >= floor:
@@ -172,8 +173,12 @@ class StepCostModel:
             model.knot_seconds[i] = max(model.knot_seconds[i], model.knot_seconds[i - 1])
         model.kv_capacity_tokens = kv_capacity_tokens
         model.meta = dict(meta or {})
-        model.samples = [{**asdict(s), "predicted": model.step_seconds(s.prefills, s.decodes)} for s in samples]
+        model.samples = model.scored(samples)
         return model
+
+    def scored(self, samples: list[StepSample]) -> list[dict]:
+        """Each sample as a plain dict beside the step time this model predicts for it."""
+        return [{**asdict(s), "predicted": self.step_seconds(s.prefills, s.decodes)} for s in samples]
 
     @classmethod
     def _fit_once(cls, samples: list[StepSample], knots: list[int], use: dict[str, bool]) -> StepCostModel:

@@ -139,8 +139,7 @@ def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repe
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "profile_seconds": round(time.perf_counter() - t0, 1)}
     model = StepCostModel.fit(samples, kv_capacity_tokens=capacity, meta=meta)
-    model.meta["held_out"] = [{"prefills": c.prefills, "decodes": c.decodes, "seconds": c.seconds,
-                               "predicted": model.step_seconds(c.prefills, c.decodes)} for c in checks]
+    model.meta["held_out"] = model.scored(checks)
     return model
 
 

@@ -22,7 +22,7 @@ class RouterActor:
 
         self.cfg = ClusterConfig.model_validate(cfg)
         restore_priority(self.cfg.process.nice)  # before any thread starts: they inherit it
-        self.launcher = RayLauncher(cfg, cluster_name)
+        self.launcher = RayLauncher(self.cfg, cluster_name)
         self.restarted = bool(self.launcher.adopt())
         self.server: RouterServer | None = None
 

@@ -13,6 +13,7 @@ import re
 
 import ray
 
+from pdcommon.config import ClusterConfig
 from pdcommon.process_env import engine_process_env
 from pdserve.launch.worker_actor import WorkerActor
 
@@ -21,8 +22,9 @@ ROLES = ("prefill", "decode", "colocated")
 
 
 class RayLauncher:
-    def __init__(self, cfg: dict, cluster_name: str) -> None:
+    def __init__(self, cfg: ClusterConfig, cluster_name: str) -> None:
         self.cfg = cfg
+        self._cfg_dump = cfg.model_dump()  # what worker actors receive
         self.cluster_name = cluster_name
         self.router_address = ""
         self.actors: dict[str, ray.actor.ActorHandle] = {}
@@ -49,13 +51,10 @@ class RayLauncher:
 
     async def add_worker(self, role: str) -> str:
         worker_id = f"{role}-{next(self._ids[role])}"
-        pool_engine = (self.cfg.get(role) or {}).get("engine") or {}
-        threads = pool_engine.get("num_threads") or self.cfg.get("engine", {}).get("num_threads")
-        tune = (self.cfg.get("process") or {}).get("tune_malloc", True)
         # Ray starts a fresh worker process for a runtime_env: these are set from its first instruction.
-        env = {"env_vars": engine_process_env(threads, tune)}
+        env = {"env_vars": engine_process_env(self.cfg.engine_config(role).num_threads, self.cfg.process.tune_malloc)}
         actor = WorkerActor.options(name=self._actor_name(worker_id), lifetime="detached", runtime_env=env).remote(
-            self.cfg, role, worker_id, self.router_address)
+            self._cfg_dump, role, worker_id, self.router_address)
         self.actors[worker_id] = actor
         return worker_id
 
