@@ -39,6 +39,12 @@ class EngineConfig:
     # for float32/bfloat16 on the CPU with oneDNN; elsewhere "mkl" runs.
     cpu_gemm: GemmLayout = "mkl"
     seed: int = 0
+    # Device emulation, off by default: every engine step also sleeps this many seconds per token
+    # it computes, standing in for a slower accelerator. On a small CPU machine compute stops
+    # growing at a couple of busy workers; with the sleep (which frees the core) a pool's capacity
+    # grows with its replicas, so the planner's live test can see more workers help. Never for
+    # serving.
+    emulate_device_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -59,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"cpu_gemm must be one of {', '.join(_GEMM_LAYOUTS)}; got {self.cpu_gemm!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.emulate_device_s_per_token < 0:
+            raise ValueError(f"emulate_device_s_per_token must be >= 0, got {self.emulate_device_s_per_token}")
 
     @property
     def chunk_size(self) -> int:

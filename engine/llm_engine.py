@@ -161,6 +161,8 @@ class LLMEngine:
         if not batch:
             return outputs
         sampled, tokens, logprobs, tops = self.runner.execute(batch)
+        if self.config.emulate_device_s_per_token:  # device emulation (EngineConfig): a slower chip
+            time.sleep(self.config.emulate_device_s_per_token * sum(i.num_new_tokens for i in batch.scheduled))
         for item in batch.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.bm.cache_full_blocks(item.seq)

@@ -174,6 +174,51 @@ class SchedulingSection(_Strict):
         return self
 
 
+class PoolLimits(_Strict):
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(64, ge=1)
+
+
+class PlannerSection(_Strict):
+    """How the pools size themselves (router/planner). `static` keeps the replicas above; `sla`
+    sizes the prefill pool with a queueing model and the decode pool from the profile's ITL and
+    KV capacity, so that `target_attainment` of requests meet both SLOs."""
+
+    mode: Literal["static", "sla"] = "static"
+    profile: str | None = None  # a step-cost profile (`pdserve profile`); sla needs one
+    interval_s: float = Field(30.0, gt=0)
+    target_attainment: float = Field(0.9, gt=0, lt=1)
+    # Absolute SLOs; unset, each request's own: TTFT (queueing included) <= ttft_slo_factor x its
+    # unloaded prefill time, TPOT <= tpot_slo_factor x the batch-1 ITL at its context.
+    ttft_slo_s: float | None = Field(None, gt=0)
+    tpot_slo_s: float | None = Field(None, gt=0)
+    ttft_slo_factor: float = Field(3.0, gt=1)
+    tpot_slo_factor: float = Field(2.0, gt=1)
+    forecaster: Literal["constant", "trend"] = "trend"
+    prefill: PoolLimits = Field(default_factory=PoolLimits)
+    decode: PoolLimits = Field(default_factory=PoolLimits)
+    max_total_workers: int | None = Field(None, ge=2)
+    startup_s: float = Field(30.0, ge=0)  # how far ahead to forecast: a new worker serves after this
+    # Scale up at once; scale down to the highest recommendation of the last window, at most
+    # max_scale_down_fraction of a pool per interval, never within cooldown_s of a change to it,
+    # and only while the plan at (1 + hysteresis) x the load still needs fewer workers.
+    scale_down_window_s: float = Field(600.0, ge=0)
+    cooldown_s: float = Field(120.0, ge=0)
+    max_scale_down_fraction: float = Field(0.25, gt=0, le=1)
+    hysteresis: float = Field(0.15, ge=0)
+    min_samples: int = Field(20, ge=1)  # fewer completed requests in an interval: no latency correction
+
+    @model_validator(mode="after")
+    def _needs_profile(self) -> PlannerSection:
+        if self.mode == "sla" and self.profile is None:
+            raise ValueError("planner.mode sla needs planner.profile (make one with `pdserve profile`)")
+        for name in ("prefill", "decode"):
+            lim = getattr(self, name)
+            if lim.min_replicas > lim.max_replicas:
+                raise ValueError(f"planner.{name}: min_replicas {lim.min_replicas} > max_replicas {lim.max_replicas}")
+        return self
+
+
 class RaySection(_Strict):
     address: str | None = None  # None: start an embedded local instance; "auto": join a cluster
     node_ip_address: str = "127.0.0.1"
@@ -195,6 +240,7 @@ class ClusterConfig(_Strict):
     security: SecuritySection = Field(default_factory=SecuritySection)
     process: ProcessSection = Field(default_factory=ProcessSection)
     scheduling: SchedulingSection = Field(default_factory=SchedulingSection)
+    planner: PlannerSection = Field(default_factory=PlannerSection)
     ray: RaySection = Field(default_factory=RaySection)
 
     @model_validator(mode="after")

@@ -78,6 +78,11 @@ class StepCostModel:
     decode_attention_s: float  # per cached token read by one decode token
     sequence_s: float = 0.0  # per sequence in the step (its logits and sampling)
     kv_capacity_tokens: int | None = None
+    # KV transfer between a prefill and a decode worker: fixed cost + bytes / rate (`pdserve
+    # profile --transfer`); kv_bytes_per_token is the model's KV (all layers, K and V).
+    transfer_fixed_s: float = 0.0
+    transfer_bytes_per_s: float | None = None
+    kv_bytes_per_token: int | None = None
     meta: dict = field(default_factory=dict)  # model, threads, machine, engine settings
     samples: list[dict] = field(default_factory=list)  # what the fit came from, with its errors
 
@@ -92,12 +97,17 @@ class StepCostModel:
         return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 0.0)
 
     def step_seconds(self, prefills: list[tuple[int, int]] = (), decodes: list[int] = ()) -> float:
-        prefills, decodes = list(prefills), list(decodes)
-        tokens = sum(n for n, _ in prefills) + len(decodes)
+        decodes = list(decodes)
+        return self.step_seconds_total(list(prefills), len(decodes), sum(decodes))
+
+    def step_seconds_total(self, prefills: list[tuple[int, int]], batch: int, context_sum: int) -> float:
+        """The same, with the decodes given as their count and total context (what a simulator
+        keeps without walking the batch every step)."""
+        tokens = sum(n for n, _ in prefills) + batch
         if tokens == 0:
             return 0.0
-        return (self.tokens_cost(tokens) + self.sequence_s * (len(prefills) + len(decodes))
-                + self.prefill_attention_s * _prefill_attention(prefills) + self.decode_attention_s * sum(decodes))
+        return (self.tokens_cost(tokens) + self.sequence_s * (len(prefills) + batch)
+                + self.prefill_attention_s * _prefill_attention(prefills) + self.decode_attention_s * context_sum)
 
     def prefill_seconds(self, prompt_len: int, cached: int = 0, chunk: int | None = None) -> float:
         """A prompt alone, in chunks of `chunk` new tokens (None: one step); `cached` tokens are
@@ -110,9 +120,16 @@ class StepCostModel:
             total += self.step_seconds([(n, done)])
         return total
 
-    def itl_seconds(self, batch: int, context: int) -> float:
-        """A decode step of `batch` sequences that each hold `context` tokens."""
-        return self.step_seconds(decodes=[context] * batch)
+    def itl_seconds(self, batch: float, context: int) -> float:
+        """A decode step of `batch` sequences that each hold `context` tokens (a fractional batch
+        interpolates: the time-averaged batch of a sequence's life)."""
+        return self.step_seconds_total([], batch, batch * context)
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """Shipping `tokens` tokens' KV; 0 when the profile has no transfer measurement."""
+        if not self.transfer_bytes_per_s or not self.kv_bytes_per_token:
+            return 0.0
+        return self.transfer_fixed_s + tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s
 
     @property
     def max_profiled_tokens(self) -> int:

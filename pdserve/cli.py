@@ -145,6 +145,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{w.worker_id:14s} {w.role:8s} {w.state:9s} {w.address:22s} {w.num_running:4d} {w.num_waiting:4d} "
               f"{w.inflight:4d} {w.requests_served:6d} {100 * w.kv_usage:7.1f}% {w.cached_blocks:7d} "
               f"{w.last_heartbeat_age_s:5.1f}s")
+    if st.planner:
+        plan = json.loads(st.planner)
+        d = plan.get("decision")
+        if d is None:
+            print(f"planner {plan['mode']}: no decision yet")
+        else:
+            print(f"planner {plan['mode']} ({'acting' if plan.get('acting') else 'recommending only'}), at "
+                  f"{d['at_s']:.0f} s: desired {d['desired']} (load alone asks {d['recommended']}); "
+                  + "; ".join(f"{p}: {why}" for p, why in d["reasons"].items()))
     return 0
 
 
@@ -182,7 +191,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     """Profile one pool's engine in this process; write the step-cost model (JSON) and its plot."""
-    from pdserve.profile import plot, run_profile, summary
+    from pdserve.profile import add_transfer, plot, run_profile, summary
 
     cfg = _config(args)
     role = args.role or cfg.roles[0]
@@ -193,11 +202,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
           flush=True)
     model = run_profile(cfg.engine_config(role), max_prompt=args.max_prompt, max_batch=args.max_batch,
                         repeats=args.repeats)
+    if cfg.mode == "disaggregated" and not args.no_transfer:
+        add_transfer(model, cfg.transfer.transport if cfg.transfer.transport != "fake" else "zmq")
     model.save(out)
     plot(model, out.with_suffix(".png"))
     print(summary(model))
     print(f"wrote {out} and {out.with_suffix('.png')} in {model.meta['profile_seconds']:.0f} s")
     return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pdserve.sim.command import main as simulate_main
+
+    try:
+        return simulate_main(args)
+    except (ValueError, OSError) as e:
+        print(f"pdserve simulate: {e}", file=sys.stderr)
+        return 2
 
 
 def _operator_identity(args: argparse.Namespace):
@@ -402,7 +423,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt", type=int, default=2048, help="longest prefill step measured (tokens)")
     p.add_argument("--max-batch", type=int, default=64, help="largest decode batch measured")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-transfer", action="store_true",
+                   help="skip the KV transfer measurement (disaggregated configs measure it over transfer.transport)")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("simulate", help="replay a trace through a simulated cluster: SLA planner vs best static split")
+    p.add_argument("--trace", required=True, help="Azure CSV or Mooncake JSONL file, or a synthetic load: "
+                   "poisson:rate=R,n=N[,prompt=P,output=O,spread=F], bursty:...,cv=C, diurnal:rate=R,duration=S,...")
+    p.add_argument("--profile", default=None, help="step-cost profile (default: the benchmark model's, shipped)")
+    p.add_argument("--decode-profile", default=None, help="a separate profile for decode workers")
+    p.add_argument("--config", default=None, help="cluster YAML: its planner section, mode, routing and token budget")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None)
+    p.add_argument("--workers", type=int, default=None, help="scale the trace's load to about this many workers")
+    p.add_argument("--scale", type=float, default=None, help="or multiply its load by this factor")
+    p.add_argument("--duration", type=float, default=None, help="only the trace's first S seconds")
+    p.add_argument("--static", default=None, help="simulate this fixed split (P:D, or N colocated) instead")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="absolute TTFT SLO (default: 3x each request's unloaded prefill time)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="absolute TPOT SLO (default: 2x the batch-1 ITL at the request's context)")
+    p.add_argument("--step-scale", default=None, metavar="P[,D]",
+                   help="served steps take this many times the profile's: prompt steps P, decode steps D (measure "
+                        "with one request: served TTFT / profiled prefill, served TPOT / profiled ITL)")
+    p.add_argument("--seq-overhead-ms", type=float, default=None,
+                   help="calibration: each sequence in a step costs this much more served than profiled (streaming "
+                        "its token through worker, router and client)")
+    p.add_argument("--routing", choices=["prefix_aware", "least_loaded"], default=None,
+                   help="the router's policy (default: the config's, else prefix_aware)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True, help="where to write the results")
+    p.add_argument("--png", default=None, help="replicas over time (default: next to --json)")
+    p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("scale", help="grow or drain a pool (internal control plane: needs cluster credentials)")
     p.add_argument("--router", default="127.0.0.1:50051", help="the router's public gRPC address")

@@ -140,7 +140,20 @@ def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repe
             "profile_seconds": round(time.perf_counter() - t0, 1)}
     model = StepCostModel.fit(samples, kv_capacity_tokens=capacity, meta=meta)
     model.meta["held_out"] = model.scored(checks)
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    model.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
     return model
+
+
+def add_transfer(model: StepCostModel, transport: str, log=print) -> None:
+    """Measure KV transfer time against bytes over `transport` and store its fit in the model."""
+    from pdserve.profile_transfer import measure_transfer
+
+    got = measure_transfer(transport, model.kv_bytes_per_token, model.meta.get("block_size", 16))
+    for row in got["points"]:
+        log(f"  transfer {row['tokens']:5d} tokens ({row['bytes'] / 2**20:7.1f} MiB): {row['seconds'] * 1e3:8.2f} ms")
+    model.transfer_fixed_s, model.transfer_bytes_per_s = got["fixed_s"], got["bytes_per_s"]
+    model.meta["transfer"] = got
 
 
 def plot(model: StepCostModel, path: Path) -> None:
@@ -181,4 +194,9 @@ def summary(model: StepCostModel) -> str:
              f"prefill 512 tokens: {model.prefill_seconds(512) * 1e3:.1f} ms; ITL batch 1 / 8 at 512: "
              f"{model.itl_seconds(1, 512) * 1e3:.1f} / {model.itl_seconds(8, 512) * 1e3:.1f} ms; "
              f"KV capacity {model.kv_capacity_tokens} tokens"]
+    if model.transfer_bytes_per_s:
+        lines.append(f"KV transfer: {model.transfer_fixed_s * 1e3:.2f} ms + "
+                     f"{model.transfer_bytes_per_s / 1e9:.2f} GB/s "
+                     f"({model.kv_bytes_per_token} bytes per token; 2048 tokens: "
+                     f"{model.transfer_seconds(2048) * 1e3:.1f} ms)")
     return "\n".join(lines)

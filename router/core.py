@@ -57,6 +57,7 @@ class RouterCore:
         self.targets = {role: cfg.pool(role).replicas for role in cfg.roles}
         # Objects with on_token(st, n, now) / on_finish(st, msg) / on_fail(st, err) / on_abort(st).
         self.observers: list = []
+        self.planner_status = ""  # the planner's mode and last decision, JSON (router/autoscale.py)
         self.http_address = ""
         self.control_address = ""
         self.intake = Intake(self.model, cfg.router.request_timeout_s, self.block_size)
@@ -109,6 +110,8 @@ class RouterCore:
     async def generate(self, st: RequestState):
         """Yields GenerateResponse messages; raises RequestFailed with a status for the client."""
         self.active[st.request_id] = st
+        for ob in self.observers:
+            ob.on_start(st)
         try:
             async for msg in self._attempts(st):
                 yield msg

@@ -5,6 +5,8 @@ prefix-cache figures come from the workers' heartbeats, so nobody has to scrape 
 
 from __future__ import annotations
 
+import json
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -77,6 +79,32 @@ class _ClusterCollector:
         queries.add_metric([], q_total)
         hits.add_metric([], h_total)
         yield from (running, waiting, usage, replicas, target, queries, hits, inflight, active, *leaks.values())
+        yield from _planner_gauges(core.planner_status)
+
+
+def _planner_gauges(status: str):
+    """The planner's last decision: desired against actual replicas, predicted against observed
+    attainment."""
+    if not status:
+        return
+    decision = json.loads(status).get("decision")
+    if not decision:
+        return
+    desired = GaugeMetricFamily("pdserve:planner_desired_replicas", "The planner's replicas per pool", labels=["pool"])
+    recommended = GaugeMetricFamily("pdserve:planner_recommended_replicas", "What the load alone asks for, per pool",
+                                    labels=["pool"])
+    for pool, n in decision["desired"].items():
+        desired.add_metric([pool], n)
+    for pool, n in decision["recommended"].items():
+        recommended.add_metric([pool], n)
+    attain = GaugeMetricFamily("pdserve:planner_attainment", "SLO attainment: the planner's prediction for the next "
+                               "interval, and what the last interval observed", labels=["kind"])
+    inputs = decision.get("inputs", {})
+    for kind, value in {**{f"predicted_{k}": v for k, v in (inputs.get("predicted") or {}).items()},
+                        "observed": inputs.get("attainment_observed")}.items():
+        if value is not None:
+            attain.add_metric([kind], value)
+    yield from (desired, recommended, attain)
 
 
 class RouterMetrics:
@@ -102,6 +130,9 @@ class RouterMetrics:
         core.observers.append(self)
 
     # Observer hooks called by RouterCore.
+    def on_start(self, st: RequestState) -> None:
+        pass
+
     def on_token(self, st: RequestState, n: int, now: float) -> None:
         if st.last_token is not None and n > 0:
             gap = (now - st.last_token) / n

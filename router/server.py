@@ -14,9 +14,11 @@ from pdcommon.security import ClusterIdentity
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.auth import ApiKeyInterceptor, ApiKeys, load_api_keys
+from router.autoscale import PlannerLoop
 from router.core import RouterCore
 from router.launcher import Launcher
 from router.metrics import RouterMetrics
+from router.planner import make_planner
 from router.scaling import Scaler
 from router.service import ControlService, RouterService
 
@@ -30,6 +32,8 @@ class RouterServer:
         self.identity = ClusterIdentity.from_config(cfg.security)
         self.core = RouterCore(cfg, launcher, identity=self.identity)
         self.scaler = Scaler(self.core)
+        self.planner = PlannerLoop(self.core, self.scaler, make_planner(cfg), cfg.planner.interval_s) \
+            if cfg.planner.mode != "static" else None
         self.metrics = RouterMetrics(self.core)
         self.keys = ApiKeys(load_api_keys(cfg.router.api_keys, cfg.router.api_keys_file), cfg.router.protect_probes)
         self._http = None
@@ -61,6 +65,8 @@ class RouterServer:
         self.address = f"{r.advertise_host or r.host}:{port}"
         self.control_address = self.core.control_address = f"{r.advertise_host or chost}:{cport}"
         self._reaper = asyncio.create_task(self.core.members.reap_forever(self.cfg.heartbeat.interval_s / 4))
+        if self.planner is not None:
+            self.planner.start()
         if r.http_port is not None:
             await self._start_http(r.host, r.http_port, r.advertise_host)
         log.info("router serving on %s (HTTP %s; control plane on %s, security %s)", self.address,
@@ -96,6 +102,8 @@ class RouterServer:
     async def stop(self) -> None:
         if self._reaper:
             self._reaper.cancel()
+        if self.planner is not None:
+            await self.planner.stop()
         if self._http is not None:
             await self._http.cleanup()
         for server in (self.server, self.control):

@@ -43,7 +43,7 @@ class RouterService(rrpc.RouterServicer):
                                         http_address=core.http_address, vocab_size=core.model.vocab_size,
                                         max_model_len=core.model.max_model_len,
                                         control_address=core.control_address,
-                                        security_mode=core.cfg.security.mode)
+                                        security_mode=core.cfg.security.mode, planner=core.planner_status)
         for role in core.cfg.roles:
             resp.pools.append(pb.PoolStatus(role=role, replicas=len(core.members.active(role)),
                                             target_replicas=core.targets[role]))

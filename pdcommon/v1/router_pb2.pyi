@@ -200,7 +200,7 @@ class PoolStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., replicas: _Optional[int] = ..., target_replicas: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("pools", "workers", "queued_requests", "model", "transport", "mode", "http_address", "vocab_size", "max_model_len", "control_address", "security_mode")
+    __slots__ = ("pools", "workers", "queued_requests", "model", "transport", "mode", "http_address", "vocab_size", "max_model_len", "control_address", "security_mode", "planner")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class ClusterStatusResponse(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     CONTROL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SECURITY_MODE_FIELD_NUMBER: _ClassVar[int]
+    PLANNER_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     queued_requests: int
@@ -223,7 +224,8 @@ class ClusterStatusResponse(_message.Message):
     max_model_len: int
     control_address: str
     security_mode: str
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., mode: _Optional[str] = ..., http_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., control_address: _Optional[str] = ..., security_mode: _Optional[str] = ...) -> None: ...
+    planner: str
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., queued_requests: _Optional[int] = ..., model: _Optional[str] = ..., transport: _Optional[str] = ..., mode: _Optional[str] = ..., http_address: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., control_address: _Optional[str] = ..., security_mode: _Optional[str] = ..., planner: _Optional[str] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("pool", "replicas")

@@ -1,4 +1,5 @@
-"""The cluster simulator (issue 11): request traces and synthetic loads so far."""
+"""The cluster simulator (`pdserve simulate`): request traces and synthetic loads, a
+discrete-event cluster driven by step-cost profiles, and the planner against the best static split."""
 
 from pdserve.sim.traces import TraceRequest, bursty, diurnal, load_trace, poisson
 

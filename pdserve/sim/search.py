@@ -1,0 +1,177 @@
+"""Planner against the best static split: the comparison `pdserve simulate` reports.
+
+- `scale_trace` loads a trace onto more workers: k copies of every request at (about) its own
+  time, so the load keeps the trace's shape over the day, k times higher; each copy gets its
+  own prefix ids (other users), and a fraction of k is drawn by thinning one more copy.
+- `best_static` searches fixed splits: for each total, the split with the highest attainment
+  (a hill climb from the split the sizing model suggests), and the smallest total whose best
+  split reaches the target attainment.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import replace
+
+from pdcommon.config import PlannerSection
+from pdserve.sim.cluster import Cluster, SimResult, SimSettings
+from pdserve.sim.report import summarize
+from pdserve.sim.traces import TraceRequest
+from router.planner import Arrival, PoolModel, SlaPlanner, Slos, StaticPlanner
+
+JITTER_S = 1.0  # copies of a request arrive within this much of it
+
+
+def scale_trace(reqs: list[TraceRequest], factor: float, seed: int = 0) -> list[TraceRequest]:
+    if factor <= 0:
+        raise ValueError("the scale factor must be positive")
+    rng = random.Random(seed)
+    whole, frac = int(factor), factor - int(factor)
+    out = []
+    for r in reqs:
+        copies = whole + (rng.random() < frac)
+        for k in range(copies):
+            t = r.arrival_s if k == 0 else max(r.arrival_s + rng.uniform(-JITTER_S, JITTER_S), 0.0)
+            ids = r.hash_ids if k == 0 else tuple((k << 40) | h for h in r.hash_ids)
+            out.append(TraceRequest(t, r.prompt_len, r.output_len, ids))
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def pool_model(settings: SimSettings) -> tuple[PoolModel, PoolModel]:
+    return (PoolModel(settings.profile, settings.slos, settings.budget),
+            PoolModel(settings.decode_profile or settings.profile, settings.slos, settings.budget))
+
+
+def busy_rate(reqs: list[TraceRequest], window_s: float = 60.0, q: float = 0.9) -> float:
+    """The q-quantile of the arrival rate over windows of `window_s`: what a static split must
+    carry most of the time (traces are burstier than their mean)."""
+    t0 = reqs[0].arrival_s
+    counts: dict[int, int] = {}
+    for r in reqs:
+        k = int((r.arrival_s - t0) // window_s)
+        counts[k] = counts.get(k, 0) + 1
+    n = int((reqs[-1].arrival_s - t0) // window_s) + 1
+    rates = sorted(counts.get(k, 0) / window_s for k in range(n))
+    return max(rates[min(len(rates) - 1, int(q * len(rates)))], mean_rate(reqs))
+
+
+def sized_split(reqs: list[TraceRequest], settings: SimSettings, target: float) -> dict[str, int]:
+    """The sizing model's split for the trace's busy rate (busy_rate): where the search starts,
+    and how `--workers` turns into a scale factor."""
+    rate = busy_rate(reqs)
+    sample = [Arrival(r.prompt_len, r.output_len) for r in random.Random(0).sample(reqs, min(len(reqs), 2048))]
+    pm, dm = pool_model(settings)
+    per_pool = 1 - (1 - target) / 2
+    if settings.mode == "colocated":
+        p = pm.prefill_workers(rate, pm.terms(sample), per_pool)
+        d = dm.decode_workers(rate, dm.terms(sample), per_pool)
+        return {"colocated": p + d}
+    return {"prefill": pm.prefill_workers(rate, pm.terms(sample), per_pool),
+            "decode": dm.decode_workers(rate, dm.terms(sample), per_pool)}
+
+
+def simulate(reqs: list[TraceRequest], settings: SimSettings, planner, initial: dict[str, int],
+             ) -> tuple[SimResult, dict]:
+    result = Cluster(settings, planner, initial).run(reqs)
+    return result, summarize(result, settings.profile.max_profiled_tokens)
+
+
+def _static_run(reqs, settings, split: dict[str, int], cache: dict) -> dict:
+    key = tuple(sorted(split.items()))
+    if key not in cache:
+        _, summary = simulate(reqs, settings, StaticPlanner(split), split)
+        cache[key] = {**summary, "split": dict(split)}
+    return cache[key]
+
+
+def _best_split(reqs, settings, total: int, start_prefill: int, cache: dict) -> dict:
+    """Hill climb over the prefill share of `total` workers, in halving steps."""
+    def run(p: int) -> dict:
+        p = min(max(p, 1), total - 1)
+        return _static_run(reqs, settings, {"prefill": p, "decode": total - p}, cache)
+
+    best = run(start_prefill)
+    step = max(1, total // 8)
+    while True:
+        p = best["split"]["prefill"]
+        cands = [run(p - step), run(p + step)]
+        top = max(cands, key=lambda s: (s["attainment"], -s["split"]["prefill"]))
+        if top["attainment"] > best["attainment"]:
+            best = top
+            continue
+        if step == 1:
+            return best
+        step = max(1, step // 2)
+
+
+def best_static(reqs: list[TraceRequest], settings: SimSettings, target: float, start: dict[str, int],
+                max_total: int = 4096) -> dict:
+    """The cheapest static split that reaches `target` attainment (or, if none up to `max_total`
+    does, the best found), with every split tried."""
+    cache: dict = {}
+    colocated = settings.mode == "colocated"
+    share = 0.0 if colocated else start["prefill"] / max(sum(start.values()), 1)
+
+    def best_at(total: int) -> dict:
+        if colocated:
+            return _static_run(reqs, settings, {"colocated": total}, cache)
+        return _best_split(reqs, settings, total, round(share * total), cache)
+
+    lo_total = 1 if colocated else 2
+    total = max(sum(start.values()), lo_total)
+    found = best_at(total)
+    while found["attainment"] < target and total < max_total:  # grow until it reaches the target
+        lo_total, total = total + 1, min(max_total, math.ceil(total * 1.5))
+        found = best_at(total)
+    if found["attainment"] < target:
+        return {**found, "reached_target": False, "tried": list(cache.values())}
+    hi = total  # then the smallest total that still does, by bisection
+    while lo_total < hi:
+        mid = (lo_total + hi) // 2
+        got = best_at(mid)
+        if got["attainment"] >= target:
+            hi, found = mid, got
+        else:
+            lo_total = mid + 1
+    return {**found, "reached_target": True, "tried": list(cache.values())}
+
+
+def run_planner(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSection,
+                start: dict[str, int] | None = None) -> tuple[SimResult, dict]:
+    """The SLA planner in the loop. It starts from `start`, by default the sizing model's split
+    for the trace's busy rate (as an operator deploys from yesterday's load), and moves from
+    there on what it observes."""
+    pm, dm = pool_model(settings)
+    planner = SlaPlanner(cfg, pm.profile, dm.profile, chunk=settings.budget)
+    initial = start or sized_split(reqs, settings, cfg.target_attainment)
+    return simulate(reqs, settings, planner, initial)
+
+
+def compare(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSection) -> dict:
+    target = cfg.target_attainment
+    start = sized_split(reqs, settings, target)
+    result, planner = run_planner(reqs, settings, cfg, start)
+    static = best_static(reqs, settings, target, start)
+    return {"target_attainment": target, "planner": planner, "best_static": static,
+            "planner_replicas": [(t, c) for t, c in result.timeline],
+            "worker_hours_saved": (1 - planner["worker_hours"] / static["worker_hours"]) if static["worker_hours"]
+            else 0.0,
+            "decisions": [d.to_dict() for d in result.decisions if d.changed]}
+
+
+def settings_from(planner: PlannerSection, base: SimSettings) -> SimSettings:
+    """The simulator takes its SLOs, interval and start-up delay from the planner section."""
+    slos = Slos(planner.ttft_slo_s, planner.tpot_slo_s, planner.ttft_slo_factor, planner.tpot_slo_factor)
+    return replace(base, slos=slos, interval_s=planner.interval_s, startup_s=planner.startup_s)
+
+
+def mean_rate(reqs: list[TraceRequest]) -> float:
+    return len(reqs) / max(reqs[-1].arrival_s - reqs[0].arrival_s, 1e-9)
+
+
+def lengths(reqs: list[TraceRequest]) -> dict:
+    return {"mean_prompt": statistics.fmean(r.prompt_len for r in reqs),
+            "mean_output": statistics.fmean(r.output_len for r in reqs)}

@@ -1,0 +1,228 @@
+"""How many workers a pool needs for a load, from the step-cost profile.
+
+- **Prefill** is a queue in front of c servers. A request's TTFT is its wait plus its own prefill
+  time, so the SLO leaves each request a wait budget (its SLO less its prefill time). The wait
+  comes from M/G/c: Erlang C for the chance to wait at all, and an exponential tail whose rate
+  is the pool's spare capacity, stretched by the Allen-Cunneen factor (ca^2 + cs^2) / 2 for
+  arrivals and prompt lengths that vary more (or less) than Poisson and exponential. The
+  predicted attainment is the mean, over a sample of recent requests, of P(wait <= budget).
+- **Decode** is a batch that every request rides for its whole output. By Little's law the
+  pool holds rate x output x ITL sequences, spread over the workers by least-loaded routing
+  (decode_attainment). The ITL at that batch and the requests'
+  context, plus the KV transfer spread over the output (the first decoded token waits for it),
+  must meet each request's TPOT SLO; the batch's KV reservations must fit the KV capacity.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pdcommon.step_cost import StepCostModel
+from router.planner.base import Arrival
+
+
+def erlang_c(c: int, a: float) -> float:
+    """P(an arrival waits) in M/M/c with offered load a = rate x mean service (Erlang B recursion,
+    stable for hundreds of servers)."""
+    if a <= 0:
+        return 0.0
+    if a >= c:
+        return 1.0
+    b = 1.0
+    for k in range(1, c + 1):
+        b = a * b / (k + a * b)
+    rho = a / c
+    return b / (1 - rho * (1 - b))
+
+
+def normal_quantile(p: float) -> float:
+    return statistics.NormalDist().inv_cdf(min(max(p, 1e-6), 1 - 1e-6))
+
+
+@dataclass(frozen=True, slots=True)
+class Slos:
+    """Absolute SLOs where given, else per request: factor x its unloaded time."""
+
+    ttft_s: float | None
+    tpot_s: float | None
+    ttft_factor: float
+    tpot_factor: float
+
+    def ttft(self, profile: StepCostModel, prompt_len: int, cached: int, chunk: int | None) -> float:
+        return self.ttft_s or self.ttft_factor * profile.prefill_seconds(prompt_len, cached, chunk)
+
+    def tpot(self, profile: StepCostModel, prompt_len: int, output_len: int) -> float:
+        return self.tpot_s or self.tpot_factor * profile.itl_seconds(1, prompt_len + max(output_len, 1) // 2)
+
+
+@dataclass(slots=True)
+class Terms:
+    """Per-request quantities of a sample, computed once per plan."""
+
+    service: list[float]  # unloaded prefill seconds (before correction)
+    ttft_slo: list[float]
+    # Per multi-token request: (its TPOT SLO less its KV transfer share, its own decode context).
+    tpot_room: list[tuple[float, int]]
+    single: int  # one-token requests (no TPOT)
+    outputs: list[int]
+    mean_output: float
+    context: int  # mean decode context: prompt + half the output
+    kv_tokens: float  # mean KV reservation: prompt + output
+    service_mean: float
+    service_cv2: float  # squared coefficient of variation of the prefill time
+    _rooms: dict = field(default_factory=dict)
+
+    def rooms(self, profile: StepCostModel, correction: float) -> list[float]:
+        """Sorted: the step time each request can spend on the rest of its batch. A step is
+        g(B) + a_seq B + a_decode (own context + the others'), times the correction; what is
+        left of (SLO - transfer share) / correction after its own context's attention."""
+        got = self._rooms.get(correction)
+        if got is None:
+            got = self._rooms[correction] = sorted(room / correction - profile.decode_attention_s * ctx
+                                                   for room, ctx in self.tpot_room)
+        return got
+
+
+@dataclass(slots=True)
+class PoolModel:
+    """The two pools' predictions for a sample of requests (the planner's recent arrivals)."""
+
+    profile: StepCostModel
+    slos: Slos
+    chunk: int | None = None  # the prefill pool's token budget (None: a prompt in one step)
+    arrival_cv2: float = 1.0
+    memo: dict = field(default_factory=dict)
+
+    def _request_terms(self, a: Arrival) -> tuple[float, float, float | None]:
+        """(unloaded prefill seconds, TTFT SLO, TPOT room or None), memoized: a sample holds
+        thousands of requests and lengths repeat."""
+        key = (a.prompt_len, a.cached_len, a.output_len)
+        got = self.memo.get(key)
+        if got is None:
+            p = self.profile
+            s = p.prefill_seconds(a.prompt_len, a.cached_len, self.chunk)
+            room = None
+            if a.output_len > 1:
+                room = (self.slos.tpot(p, a.prompt_len, a.output_len)
+                        - p.transfer_seconds(a.prompt_len - a.cached_len) / (a.output_len - 1))
+            got = self.memo[key] = (s, self.slos.ttft_s or self.slos.ttft_factor * s, room)
+            if len(self.memo) > 1 << 16:
+                self.memo.clear()
+        return got
+
+    def terms(self, sample: Sequence[Arrival]) -> Terms:
+        rows = [self._request_terms(a) for a in sample]
+        service = [r[0] for r in rows]
+        mean = statistics.fmean(service) if service else 0.0
+        return Terms(service=service, ttft_slo=[r[1] for r in rows],
+                     tpot_room=[(r[2], a.prompt_len + a.output_len // 2) for r, a in zip(rows, sample, strict=True)
+                                if r[2] is not None],
+                     single=sum(r[2] is None for r in rows),
+                     outputs=[a.output_len for a in sample],
+                     mean_output=statistics.fmean(a.output_len for a in sample) if sample else 0.0,
+                     context=round(statistics.fmean(a.prompt_len + a.output_len / 2 for a in sample)) if sample else 1,
+                     kv_tokens=statistics.fmean(a.prompt_len + a.output_len for a in sample) if sample else 0.0,
+                     service_mean=mean,
+                     service_cv2=statistics.pvariance(service) / (mean * mean) if mean > 0 else 0.0)
+
+    # ---- prefill --------------------------------------------------------------------------
+    def prefill_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
+        if not t.service:
+            return 1.0
+        mean = correction * t.service_mean
+        a = rate * mean
+        if a >= workers:
+            return 0.0
+        wait = erlang_c(workers, a)
+        theta = (workers - a) / mean / max((self.arrival_cv2 + t.service_cv2) / 2, 1e-3)
+        return sum(1 - wait * math.exp(-theta * (slo - correction * s))
+                   for s, slo in zip(t.service, t.ttft_slo, strict=True) if slo >= correction * s) / len(t.service)
+
+    def prefill_reachable(self, t: Terms, correction: float = 1.0) -> float:
+        """The share that meets its TTFT SLO with no wait at all: what any pool size can reach."""
+        return sum(slo >= correction * s for s, slo in zip(t.service, t.ttft_slo, strict=True)) / max(len(t.service), 1)
+
+    def prefill_workers(self, rate: float, t: Terms, target: float, correction: float = 1.0,
+                        limit: int = 100_000) -> int:
+        """The fewest workers whose predicted TTFT attainment reaches `target` of what is
+        reachable at all (requests whose SLO is below their own prefill time never meet it)."""
+        if rate <= 0 or not t.service:
+            return 1
+        goal = target * self.prefill_reachable(t, correction)
+        low = max(1, math.floor(rate * correction * t.service_mean) + 1)  # fewer cannot keep up
+        return _fewest(lambda c: self.prefill_attainment(c, rate, t, correction) >= goal, low, limit)
+
+    # ---- decode ---------------------------------------------------------------------------
+    def decode_batch(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> tuple[float, float]:
+        """A worker's mean batch and its ITL, at the fixed point of Little's law."""
+        itl = correction * self.profile.itl_seconds(1, t.context)
+        b = 0.0
+        cap = (self.profile.kv_capacity_tokens or 1 << 30) / max(t.kv_tokens, 1.0)
+        for _ in range(8):
+            b = min(rate * t.mean_output * itl / workers, 2 * cap)  # past the KV it diverges: stop there
+            itl = correction * self.profile.itl_seconds(max(1, round(b)), t.context)
+        return b, itl
+
+    def decode_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
+        """The share of requests whose TPOT meets its SLO. The router sends a sequence to the
+        least loaded decode worker, so a request shares its worker only when the pool holds more
+        sequences than workers, and then briefly: with N ~ Poisson(b x workers) others in the
+        pool (Little's law), it rides with N / workers of them on average over its life. Its
+        TPOT is the ITL at that batch plus its KV transfer spread over its output (the first
+        decoded token waits for the KV)."""
+        if not t.outputs or rate <= 0:
+            return 1.0
+        b, _ = self.decode_batch(workers, rate, t, correction)
+        cap = self.profile.kv_capacity_tokens
+        if cap and (b + normal_quantile(0.99) * math.sqrt(b)) * t.kv_tokens > cap:
+            return 0.0  # the reservations do not fit: requests wait in the router queue
+        total = b * workers
+        if total > 100:  # the pool's count is about normal: 32 equal-mass points
+            pts = [max(0.0, total + normal_quantile((i + 0.5) / 32) * math.sqrt(total)) for i in range(32)]
+            return statistics.fmean(self._meets(1.0 + n / workers, t, correction) for n in pts)
+        met, mass, n, pn = 0.0, 0.0, 0, math.exp(-total)
+        while mass < 0.999 and n < 10_000:
+            met += pn * self._meets(1.0 + n / workers, t, correction)
+            mass += pn
+            n += 1
+            pn *= total / n
+        return met / max(mass, 1e-12)
+
+    def _meets(self, batch: float, t: Terms, correction: float) -> float:
+        """The share of the sample whose TPOT meets its SLO at this (time-averaged) batch: the
+        step's cost but for the request's own context's attention, within its room."""
+        p = self.profile
+        rest = p.tokens_cost(batch) + p.sequence_s * batch + p.decode_attention_s * (batch - 1) * t.context
+        rooms = t.rooms(p, correction)
+        return (t.single + len(rooms) - bisect.bisect_left(rooms, rest)) / len(t.outputs)
+
+    def decode_workers(self, rate: float, t: Terms, target: float, correction: float = 1.0,
+                       limit: int = 100_000) -> int:
+        """The fewest workers whose predicted TPOT attainment reaches `target` of what a batch of
+        one reaches (a short output behind a long KV transfer may miss it however many there are)."""
+        if rate <= 0 or not t.outputs:
+            return 1
+        goal = target * self._meets(1.0, t, correction)
+        return _fewest(lambda d: self.decode_attainment(d, rate, t, correction) >= goal, 1, limit)
+
+
+def _fewest(enough, low: int, limit: int) -> int:
+    """The smallest n in [low, limit] with enough(n) (monotone: more workers never hurt), else limit."""
+    if low >= limit:
+        return limit
+    hi = low
+    while not enough(hi):
+        if hi >= limit:
+            return limit
+        low, hi = hi + 1, min(limit, hi * 2)
+    while low < hi:
+        mid = (low + hi) // 2
+        if enough(mid):
+            hi = mid
+        else:
+            low = mid + 1
+    return hi

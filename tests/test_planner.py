@@ -1,0 +1,203 @@
+"""The SLA planner on synthetic observation streams: the right pool moves, and limits,
+cooldowns, the scale-down window and hysteresis hold. No processes, no torch."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from pdcommon.config import ClusterConfig, PlannerSection
+from pdcommon.step_cost import StepCostModel
+from router.planner import Arrival, Finished, Observation, PoolModel, SlaPlanner, Slos, erlang_c, make_planner
+from router.planner.forecast import Constant, Trend
+
+INTERVAL = 30.0
+
+
+def profile() -> StepCostModel:
+    """A plausible CPU worker: 13 ms per decode step at batch 1, 0.3 ms per prompt token."""
+    knots = [1, 8, 64, 512, 2048]
+    return StepCostModel(knots, [0.013, 0.02, 0.033, 0.155, 0.58], prefill_attention_s=1.2e-7,
+                         decode_attention_s=2e-6, sequence_s=3e-4, kv_capacity_tokens=65536,
+                         transfer_fixed_s=0.001, transfer_bytes_per_s=1e9, kv_bytes_per_token=16384)
+
+
+def planner(**kw) -> SlaPlanner:
+    cfg = PlannerSection(mode="sla", profile="unused", interval_s=INTERVAL, **kw)
+    return SlaPlanner(cfg, profile(), chunk=2048)
+
+
+def interval(i: int, rate: float, prompt: int, output: int, rng: random.Random) -> Observation:
+    n = rng.poisson(rate * INTERVAL) if hasattr(rng, "poisson") else round(rate * INTERVAL)
+    arrivals = [Arrival(max(1, int(prompt * rng.uniform(0.7, 1.3))), max(2, int(output * rng.uniform(0.7, 1.3))))
+                for _ in range(n)]
+    return Observation(i * INTERVAL, (i + 1) * INTERVAL, arrivals)
+
+
+def drive(p: SlaPlanner, loads: list[tuple[float, int, int]], start: dict[str, int] | None = None):
+    rng = random.Random(0)
+    current = dict(start or {"prefill": 1, "decode": 1})
+    decisions = []
+    for i, (rate, prompt, output) in enumerate(loads):
+        d = p.plan(interval(i, rate, prompt, output, rng), current)
+        decisions.append(d)
+        current = dict(d.desired)
+    return decisions
+
+
+def test_erlang_c_known_values():
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = rho
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(4, 4.0) == 1.0 and erlang_c(4, 0.0) == 0.0
+    assert 0 < erlang_c(512, 480.0) < 1  # stable at scale
+
+
+def test_long_prompts_grow_prefill_and_long_outputs_grow_decode():
+    prefill_heavy = drive(planner(), [(1, 512, 8)] * 3 + [(6, 2048, 8)] * 6)[-1].desired
+    decode_heavy = drive(planner(), [(1, 512, 8)] * 3 + [(6, 64, 512)] * 6)[-1].desired
+    assert prefill_heavy["prefill"] > prefill_heavy["decode"], prefill_heavy
+    assert decode_heavy["decode"] > decode_heavy["prefill"], decode_heavy
+    assert prefill_heavy["prefill"] >= 4 and decode_heavy["decode"] >= 4
+
+
+def test_more_load_never_asks_for_fewer_workers():
+    sizes = [sum(drive(planner(), [(r, 512, 64)] * 4)[-1].recommended.values()) for r in (1, 2, 4, 8, 16)]
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0], sizes
+
+
+def test_limits_and_total_budget():
+    d = drive(planner(prefill={"min_replicas": 2, "max_replicas": 3}), [(20, 2048, 8)] * 4)[-1]
+    assert d.recommended["prefill"] == 3 and d.desired["prefill"] == 3  # capped at max_replicas
+    idle = drive(planner(prefill={"min_replicas": 2, "max_replicas": 3}), [(0.01, 16, 2)] * 3)[-1]
+    assert idle.desired["prefill"] == 2
+    d = drive(planner(max_total_workers=6), [(20, 1024, 256)] * 4)[-1]
+    assert sum(d.desired.values()) == 6 and min(d.desired.values()) >= 1
+    assert "max_total_workers" in d.reasons["prefill"]
+
+
+def test_scale_up_at_once_scale_down_slowly():
+    p = planner(scale_down_window_s=300, cooldown_s=60, max_scale_down_fraction=0.25)
+    ds = drive(p, [(10, 1024, 64)] * 4 + [(0.5, 1024, 64)] * 30)
+    peak = ds[3].desired
+    assert ds[0].desired["prefill"] > 1  # the first interval already grows the pool
+    drop = 4
+    # No scale-down while the window still holds the peak's plans (300 s = 10 intervals).
+    for d in ds[drop:drop + 9]:
+        assert d.desired["prefill"] >= peak["prefill"], (d.at_s, d.desired, d.reasons)
+    # Then down, at most a quarter of the pool (at least one) per step, and never twice within the cooldown.
+    downs = [(d.at_s, d.current["prefill"], d.desired["prefill"]) for d in ds
+             if d.desired["prefill"] < d.current["prefill"]]
+    assert downs, "the pool never shrank"
+    for _, cur, want in downs:
+        assert cur - want <= max(1, cur // 4)
+    for (t0, *_), (t1, *_) in zip(downs, downs[1:], strict=False):
+        assert t1 - t0 >= 60
+    assert ds[-1].desired["prefill"] < peak["prefill"]
+
+
+def test_hysteresis_holds_a_jittering_load():
+    loads = [(6 * (1.1 if i % 2 else 0.9), 1024, 64) for i in range(40)]
+    ds = drive(planner(scale_down_window_s=0, cooldown_s=0, hysteresis=0.25), loads)
+    settled = ds[4:]
+    changes = sum(d.changed for d in settled)
+    assert changes <= 1, [(d.current, d.desired) for d in settled if d.changed]
+
+
+def test_observed_latency_corrects_the_profile():
+    """Requests that take twice the profile's prefill time at light load: the planner learns it
+    and sizes more. Under heavy load the same latency is queueing, and teaches it nothing."""
+    p, q = planner(), planner()
+    rng = random.Random(1)
+    cur = {"prefill": 6, "decode": 2}
+    for i in range(4):
+        obs = interval(i, 4, 1024, 32, rng)
+        slow = [Finished(a.prompt_len, a.output_len, 0.0, 2 * profile().prefill_seconds(a.prompt_len, 0, 2048),
+                         0.02, 10.0, 10.0) for a in obs.arrivals]
+        dp = p.plan(Observation(obs.start_s, obs.end_s, obs.arrivals, slow), cur)
+        dq = q.plan(Observation(obs.start_s, obs.end_s, obs.arrivals, []), cur)
+    assert p.correction["prefill"] > 1.5 and q.correction["prefill"] == 1.0
+    assert dp.recommended["prefill"] > dq.recommended["prefill"]
+    busy = planner()
+    for i in range(4):
+        obs = interval(i, 4, 1024, 32, rng)
+        slow = [Finished(a.prompt_len, a.output_len, 0.0, 2 * profile().prefill_seconds(a.prompt_len, 0, 2048),
+                         0.02, 10.0, 10.0) for a in obs.arrivals]
+        busy.plan(Observation(obs.start_s, obs.end_s, obs.arrivals, slow), {"prefill": 1, "decode": 2})
+    assert busy.correction["prefill"] == 1.0
+
+
+def test_prefill_queueing_model_counts_waiting():
+    """Near saturation the wait, not the service time, decides: attainment falls as load grows
+    at a fixed pool size, and more workers bring it back."""
+    pm = PoolModel(profile(), Slos(None, None, 3.0, 2.0), 2048)
+    t = pm.terms([Arrival(1024, 64)] * 50)
+    s = profile().prefill_seconds(1024, 0, 2048)
+    low, high = pm.prefill_attainment(4, 0.3 * 4 / s, t), pm.prefill_attainment(4, 0.95 * 4 / s, t)
+    assert low > 0.99 and high < 0.7
+    assert pm.prefill_attainment(8, 0.95 * 4 / s, t) > 0.99
+    assert pm.prefill_attainment(4, 1.01 * 4 / s, t) == 0.0  # cannot keep up
+
+
+def test_forecasters():
+    c, t = Constant(), Trend()
+    for i in range(10):
+        c.observe(i * 30.0, 2.0 + i)
+        t.observe(i * 30.0, 2.0 + i)
+    assert c.predict(300.0) == 11.0
+    assert t.predict(300.0) > 11.0  # extrapolates the ramp
+    assert t.predict(10_000.0) <= 1.5 * t.level + 1e-9  # within reach of the level
+
+
+def test_config_and_registry():
+    with pytest.raises(ValueError, match="needs planner.profile"):
+        PlannerSection(mode="sla")
+    with pytest.raises(ValueError, match="min_replicas"):
+        PlannerSection(prefill={"min_replicas": 5, "max_replicas": 2})
+    static = make_planner(ClusterConfig(prefill={"replicas": 2}, decode={"replicas": 3}))
+    d = static.plan(Observation(0, 30, [Arrival(100, 10)] * 100), {"prefill": 1, "decode": 1})
+    assert d.desired == {"prefill": 2, "decode": 3}
+
+
+def test_sla_planner_from_config(tmp_path):
+    path = tmp_path / "p.json"
+    profile().save(path)
+    cfg = ClusterConfig(planner={"mode": "sla", "profile": str(path)})
+    p = make_planner(cfg)
+    assert p.name == "sla"
+    with pytest.raises(ValueError, match="colocated"):
+        make_planner(ClusterConfig(mode="colocated", planner={"mode": "sla", "profile": str(path)}))
+
+
+def test_live_router_runs_the_planner_and_reports_it(stories_path, tmp_path):
+    """In a router without a launcher the planner only recommends: its decision is in
+    `pdserve status` and /metrics, and the pools stay as they are."""
+    import urllib.request
+
+    from pdcommon.client import RouterClient, make_request
+    from tests.cluster_utils import InProcessCluster, make_config
+
+    path = tmp_path / "p.json"
+    tiny = StepCostModel([1, 64], [0.01, 0.2], 0.0, 0.0, kv_capacity_tokens=4096)  # a slow chip: asks for more
+    tiny.save(path)
+    cfg = make_config(stories_path, **{"planner.mode": "sla", "planner.profile": str(path), "planner.interval_s": 0.5,
+                                       "planner.ttft_slo_s": 0.001})
+    with InProcessCluster(cfg) as c, RouterClient(c.address) as client:
+        for _ in range(6):
+            client.generate(make_request([5] * 40, max_tokens=4), timeout=60)
+        end = time.monotonic() + 20
+        while True:
+            st = client.status()
+            plan = json.loads(st.planner) if st.planner else {}
+            if plan.get("decision") and plan["decision"]["inputs"]["rate_observed"] > 0:
+                break
+            assert time.monotonic() < end, st.planner
+            time.sleep(0.2)
+        assert plan["mode"] == "sla" and plan["acting"] is False
+        assert plan["decision"]["recommended"]["prefill"] > 1  # the slow profile wants more than one
+        assert {p.role: p.replicas for p in st.pools} == {"prefill": 1, "decode": 1}
+        metrics = urllib.request.urlopen(f"{st.http_address}/metrics", timeout=10).read().decode()
+        assert 'pdserve:planner_desired_replicas{pool="prefill"}' in metrics
+        assert "pdserve:planner_attainment" in metrics
