@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 from pdcommon.step_cost import StepCostModel
 from router.planner.base import Arrival
 
+DIMINISHING, NEAR = 0.005, 0.05  # attainment that doubling a pool must still buy, near the goal
+REACH_MARGIN = 0.01  # attainment is approached only as pools grow without end: stop this short of it
+
 
 def erlang_c(c: int, a: float) -> float:
     """P(an arrival waits) in M/M/c with offered load a = rate x mean service (Erlang B recursion,
@@ -152,9 +155,10 @@ class PoolModel:
         reachable at all (requests whose SLO is below their own prefill time never meet it)."""
         if rate <= 0 or not t.service:
             return 1
-        goal = target * self.prefill_reachable(t, correction)
+        reachable = self.prefill_reachable(t, correction)
+        goal = min(target * reachable, reachable - REACH_MARGIN)  # never chase the last of what is reachable
         low = max(1, math.floor(rate * correction * t.service_mean) + 1)  # fewer cannot keep up
-        return _fewest(lambda c: self.prefill_attainment(c, rate, t, correction) >= goal, low, limit)
+        return _fewest(_enough(lambda c: self.prefill_attainment(c, rate, t, correction), goal), low, limit)
 
     # ---- decode ---------------------------------------------------------------------------
     def decode_batch(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> tuple[float, float]:
@@ -206,8 +210,19 @@ class PoolModel:
         one reaches (a short output behind a long KV transfer may miss it however many there are)."""
         if rate <= 0 or not t.outputs:
             return 1
-        goal = target * self._meets(1.0, t, correction)
-        return _fewest(lambda d: self.decode_attainment(d, rate, t, correction) >= goal, 1, limit)
+        reachable = self._meets(1.0, t, correction)
+        goal = min(target * reachable, reachable - REACH_MARGIN)
+        return _fewest(_enough(lambda d: self.decode_attainment(d, rate, t, correction), goal), 1, limit)
+
+
+def _enough(attainment, goal: float):
+    """n workers are enough when they reach the goal, or come within NEAR of it while twice as
+    many would add less than DIMINISHING: the requests still missing then are ones more workers
+    do not save (a tight SLO behind a long transfer), and a pool grown for them is waste."""
+    def check(n: int) -> bool:
+        got = attainment(n)
+        return got >= goal or (got >= goal - NEAR and attainment(2 * n) - got < DIMINISHING)
+    return check
 
 
 def _fewest(enough, low: int, limit: int) -> int:

@@ -31,11 +31,11 @@ log = logging.getLogger(__name__)
 
 POOLS = ("prefill", "decode")
 SAMPLE = 1024  # recent arrivals kept for the length mix
-SAMPLE_MIN, SAMPLE_AGE_INTERVALS = 64, 4
+SAMPLE_MIN, SAMPLE_AGE_INTERVALS = 128, 4
 CORRECTION_RANGE = (0.5, 4.0)
 BURST_WINDOW_S = 5.0
 OFFSET_LIMIT = 0.3
-GOAL_RANGE = (0.5, 0.999)
+GOAL_RANGE = (0.5, 0.99)
 LIGHT_LOAD = 0.5  # utilization under which observed latency corrects the profile
 CV2_RANGE = (0.5, 16.0)
 
@@ -116,7 +116,9 @@ class SlaPlanner:
         # TTFT SLO of seconds is missed by a queue that builds over seconds, which an interval's
         # mean does not show.
         burst = burst_rate(obs)
-        rate = max(self.forecaster.predict(now + cfg.interval_s + cfg.startup_s), burst)
+        rate = self.forecaster.predict(now + cfg.interval_s + cfg.startup_s)
+        if burst > rate + 2 * math.sqrt(rate / BURST_WINDOW_S):  # beyond Poisson noise: real bursts
+            rate = burst
         # What a scale-down must still serve: the load a window ahead too (a trough that is
         # turning must not shed workers the rise will want back), with hysteresis on top.
         later = self.forecaster.predict(now + cfg.scale_down_window_s)
