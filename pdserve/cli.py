@@ -151,8 +151,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         if d is None:
             print(f"planner {plan['mode']}: no decision yet")
         else:
-            print(f"planner {plan['mode']} ({'acting' if plan.get('acting') else 'recommending only'}), at "
-                  f"{d['at_s']:.0f} s: desired {d['desired']} (load alone asks {d['recommended']}); "
+            ago = time.time() - plan.get("decided_at_unix", time.time())
+            print(f"planner {plan['mode']} ({'acting' if plan.get('acting') else 'recommending only'}), {ago:.0f} s "
+                  f"ago: desired {d['desired']} (load alone asks {d['recommended']}); "
                   + "; ".join(f"{p}: {why}" for p, why in d["reasons"].items()))
     return 0
 

@@ -85,6 +85,7 @@ class PlannerLoop:
         self.last = decision
         acted = self.core.launcher is not None
         self.core.planner_status = json.dumps({"mode": self.planner.name, "acting": acted, "failed": self.failed,
+                                               "decided_at_unix": time.time(),
                                                "decision": _plain(decision.to_dict())})
         for pool, want in decision.desired.items():
             if want == current.get(pool):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -171,7 +172,7 @@ def test_sla_planner_from_config(tmp_path):
         make_planner(ClusterConfig(mode="colocated", planner={"mode": "sla", "profile": str(path)}))
 
 
-def test_live_router_runs_the_planner_and_reports_it(stories_path, tmp_path):
+def test_live_router_runs_the_planner_and_reports_it(stories_path, tmp_path, capsys):
     """In a router without a launcher the planner only recommends: its decision is in
     `pdserve status` and /metrics, and the pools stay as they are."""
     import urllib.request
@@ -183,21 +184,24 @@ def test_live_router_runs_the_planner_and_reports_it(stories_path, tmp_path):
     tiny = StepCostModel([1, 64], [0.01, 0.2], 0.0, 0.0, kv_capacity_tokens=4096)  # a slow chip: asks for more
     tiny.save(path)
     cfg = make_config(stories_path, **{"planner.mode": "sla", "planner.profile": str(path), "planner.interval_s": 0.5,
-                                       "planner.ttft_slo_s": 0.001})
-    with InProcessCluster(cfg) as c, RouterClient(c.address) as client:
-        for _ in range(6):
-            client.generate(make_request([5] * 40, max_tokens=4), timeout=60)
+                                       "planner.ttft_slo_s": 1.0})
+    with InProcessCluster(cfg) as c, RouterClient(c.address) as client, ThreadPoolExecutor(8) as pool:
+        # 16 prompts at once: at the profile's ~0.13 s each, one prefill worker cannot keep up.
+        list(pool.map(lambda i: client.generate(make_request([5 + i] * 40, max_tokens=4), timeout=60), range(16)))
         end = time.monotonic() + 20
         while True:
             st = client.status()
             plan = json.loads(st.planner) if st.planner else {}
-            if plan.get("decision") and plan["decision"]["inputs"]["rate_observed"] > 0:
-                break
+            if plan.get("decision") and plan["decision"]["recommended"]["prefill"] > 1:
+                break  # the interval that saw the burst
             assert time.monotonic() < end, st.planner
             time.sleep(0.2)
         assert plan["mode"] == "sla" and plan["acting"] is False
-        assert plan["decision"]["recommended"]["prefill"] > 1  # the slow profile wants more than one
         assert {p.role: p.replicas for p in st.pools} == {"prefill": 1, "decode": 1}
         metrics = urllib.request.urlopen(f"{st.http_address}/metrics", timeout=10).read().decode()
         assert 'pdserve:planner_desired_replicas{pool="prefill"}' in metrics
         assert "pdserve:planner_attainment" in metrics
+        from pdserve.cli import main
+
+        assert main(["status", "--router", c.address]) == 0
+        assert "planner sla (recommending only)" in capsys.readouterr().out
