@@ -150,7 +150,7 @@ class PoolModel:
         return sum(slo >= correction * s for s, slo in zip(t.service, t.ttft_slo, strict=True)) / max(len(t.service), 1)
 
     def prefill_workers(self, rate: float, t: Terms, target: float, correction: float = 1.0,
-                        limit: int = 100_000) -> int:
+                        limit: int = 100_000, trust: bool = True) -> int:
         """The fewest workers whose predicted TTFT attainment reaches `target` of what is
         reachable at all (requests whose SLO is below their own prefill time never meet it)."""
         if rate <= 0 or not t.service:
@@ -158,7 +158,7 @@ class PoolModel:
         reachable = self.prefill_reachable(t, correction)
         goal = min(target * reachable, reachable - REACH_MARGIN)  # never chase the last of what is reachable
         low = max(1, math.floor(rate * correction * t.service_mean) + 1)  # fewer cannot keep up
-        return _fewest(_enough(lambda c: self.prefill_attainment(c, rate, t, correction), goal), low, limit)
+        return _fewest(_enough(lambda c: self.prefill_attainment(c, rate, t, correction), goal, trust), low, limit)
 
     # ---- decode ---------------------------------------------------------------------------
     def decode_batch(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> tuple[float, float]:
@@ -205,23 +205,27 @@ class PoolModel:
         return (t.single + len(rooms) - bisect.bisect_left(rooms, rest)) / len(t.outputs)
 
     def decode_workers(self, rate: float, t: Terms, target: float, correction: float = 1.0,
-                       limit: int = 100_000) -> int:
+                       limit: int = 100_000, trust: bool = True) -> int:
         """The fewest workers whose predicted TPOT attainment reaches `target` of what a batch of
         one reaches (a short output behind a long KV transfer may miss it however many there are)."""
         if rate <= 0 or not t.outputs:
             return 1
         reachable = self._meets(1.0, t, correction)
         goal = min(target * reachable, reachable - REACH_MARGIN)
-        return _fewest(_enough(lambda d: self.decode_attainment(d, rate, t, correction), goal), 1, limit)
+        return _fewest(_enough(lambda d: self.decode_attainment(d, rate, t, correction), goal, trust), 1, limit)
 
 
-def _enough(attainment, goal: float):
+def _enough(attainment, goal: float, trust: bool = True):
     """n workers are enough when they reach the goal, or come within NEAR of it while twice as
     many would add less than DIMINISHING: the requests still missing then are ones more workers
-    do not save (a tight SLO behind a long transfer), and a pool grown for them is waste."""
+    do not save (a tight SLO behind a long transfer), and a pool grown for them is waste. Only
+    while the model is trusted: when observation says it is optimistic, its flat curve is not
+    evidence that more workers would not help."""
     def check(n: int) -> bool:
         got = attainment(n)
-        return got >= goal or (got >= goal - NEAR and attainment(2 * n) - got < DIMINISHING)
+        if got >= goal:
+            return True
+        return trust and got >= goal - NEAR and attainment(2 * n) - got < DIMINISHING
     return check
 
 

@@ -35,6 +35,7 @@ SAMPLE_MIN, SAMPLE_AGE_INTERVALS = 128, 4
 CORRECTION_RANGE = (0.5, 4.0)
 BURST_WINDOW_S = 5.0
 OFFSET_LIMIT = 0.3
+DISTRUST = 0.02  # an attainment offset below this: the model is optimistic; ignore its diminishing returns
 GOAL_RANGE = (0.5, 0.99)
 LIGHT_LOAD = 0.5  # utilization under which observed latency corrects the profile
 CV2_RANGE = (0.5, 16.0)
@@ -157,11 +158,13 @@ class SlaPlanner:
 
     def _size(self, rate: float, pt: Terms, dt: Terms, down: bool = False) -> dict[str, int]:
         lim = self.cfg
+        trust = {p: self.offset[p] > -DISTRUST for p in POOLS}
         return {"prefill": self.prefill_model.prefill_workers(rate, pt, self.goal("prefill", down),
                                                               self.correction["prefill"],
-                                                              limit=lim.prefill.max_replicas),
+                                                              limit=lim.prefill.max_replicas, trust=trust["prefill"]),
                 "decode": self.decode_model.decode_workers(rate, dt, self.goal("decode", down),
-                                                           self.correction["decode"], limit=lim.decode.max_replicas)}
+                                                           self.correction["decode"], limit=lim.decode.max_replicas,
+                                                           trust=trust["decode"])}
 
     def _predict(self, rate: float, workers: dict[str, int], pt: Terms, dt: Terms) -> dict[str, float]:
         return {"ttft_attainment": self.prefill_model.prefill_attainment(workers["prefill"], rate, pt,
@@ -247,7 +250,10 @@ class SlaPlanner:
             while hist and hist[0][0] < now - cfg.scale_down_window_s:
                 hist.popleft()
             if want > cur or cur < lim.min_replicas:
-                desired[p], reasons[p] = max(want, lim.min_replicas), f"scale up: the load needs {need[p]}"
+                # At once, but at most doubling per interval: a model that asks for far more
+                # than there is gets to see the result before it asks again.
+                grown = min(max(want, lim.min_replicas), max(2 * cur, cur + 1, lim.min_replicas))
+                desired[p], reasons[p] = grown, f"scale up: the load needs {need[p]}"
                 continue
             floor = max(r for _, r in hist)
             if floor >= cur:
