@@ -79,10 +79,19 @@ def test_engines_run_at_normal_priority(cluster, story):
     before = {w: _threads(pid) for w, pid in pids.items()}
     with RouterClient(cluster.address) as client:
         list(client.stream(make_request(story[:300], max_tokens=100, ignore_eos=True), timeout=60))
+    io_nice = cluster.cfg.process.io_nice
+    served = 0
     for w, pid in pids.items():
         after = _threads(pid)
-        busiest = max(after, key=lambda t: after[t][1] - before[w].get(t, (0, 0))[1])
-        assert after[busiest][0] == 0, f"{w}: its busiest thread runs at nice {after[busiest][0]}"
+        ran = {t: nice for t, (nice, cpu) in after.items() if cpu > before[w].get(t, (0, 0))[1]}
+        if not ran:
+            continue  # the other worker of its pool: this request did not use it
+        served += 1
+        # The engine thread at 0; I/O threads (KV transfer, which can be the busiest under TLS with
+        # a tiny model) at process.io_nice by design; none left at Ray's 15.
+        assert set(ran.values()) <= {0, io_nice}, f"{w}: threads that ran, by nice: {ran}"
+        assert 0 in ran.values(), f"{w}: no thread at nice 0 ran: {ran}"
+    assert served >= 2, "the request should have run on a prefill and a decode worker"
 
 
 def test_sigkill_decode_worker_mid_stream(cluster, stories_path, story):
