@@ -177,6 +177,7 @@ class RouterCore:
         """The request no longer depends on its prefill worker (its KV landed, or the attempt ended)."""
         if st.prefill_rec is not None:
             st.prefill_rec.inflight.pop(st.request_id, None)
+            st.prefill_rec.queued.pop(st.request_id, None)
             st.prefill_rec = None
 
     async def _pick_prefill(self, st: RequestState) -> WorkerRecord:
@@ -186,7 +187,7 @@ class RouterCore:
         while True:
             active = self.members.active("prefill")
             fresh = [w for w in active if w.worker_id not in st.avoid]
-            pw = self.policy.pick_prefill(fresh or active, st.prefix)
+            pw = self.policy.pick_prefill(fresh or active, st.prefix, len(st.prompt))
             if pw is not None:
                 return pw
             if time.monotonic() >= end:
@@ -202,6 +203,7 @@ class RouterCore:
             self.policy.record(st.prefix, pw.worker_id, lease.worker.worker_id)
         # Until its KV lands the request depends on this worker: dropping it fails (retries) the request.
         pw.inflight[st.request_id] = st.fail
+        pw.queued[st.request_id] = len(st.prompt) - self.policy.expected_cached(pw, st.prefix, len(st.prompt))
         st.prefill_rec = pw
         pw.served += 1
         req = wpb.PrefillRequest(request_id=st.worker_request_id, prompt_token_ids=st.prompt,
@@ -214,6 +216,7 @@ class RouterCore:
         call = pw.stub.Prefill(req, timeout=max(st.remaining, 0.001), metadata=self.identity.metadata)
         st.calls.append(call)  # stays open while the KV ships; cancelled with the attempt
         msg = await self._read(st, call, pw)
+        pw.queued.pop(st.request_id, None)  # computed (or failed): no longer ahead of other prompts
         if msg is grpc.aio.EOF:
             raise RetryAttempt(f"prefill worker {pw.worker_id} closed the stream before the first token", "prefill",
                                pw.worker_id)

@@ -38,6 +38,8 @@ class WorkerRecord:
     pending_blocks: int = 0  # reserved through this router since the last heartbeat
     incarnation: str = ""
     transfer_public_key: str = ""  # the KV receiver's CURVE key (encrypted transport), else ""
+    # request id -> prompt tokens this prefill worker still has to compute for it (until its first token)
+    queued: dict[str, int] = field(default_factory=dict)
 
     @property
     def free_blocks_estimate(self) -> int:
@@ -55,6 +57,10 @@ class WorkerRecord:
     @property
     def load(self) -> int:
         return len(self.inflight)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(self.queued.values())
 
 
 class Membership:

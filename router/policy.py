@@ -1,8 +1,12 @@
 """Routing policies: which prefill worker computes a prompt, which decode worker holds it.
 
-`prefix_aware` remembers which workers last served each prompt block (by the same hash chain
-the engines use) and prefers them while their load stays close to the least loaded, so shared
-system prompts hit warm prefix caches on both sides."""
+A prefill worker is chosen by the prompt tokens it still has to compute, this prompt's included:
+a queue of one 8k-token prompt is longer than one of three short ones, so counting requests
+would send long prompts behind each other. `prefix_aware` remembers which workers last served
+each prompt block (by the same hash chain the engines use) and counts the blocks a worker
+already holds as free: a warm cache wins exactly when it saves more than the queue costs, so a
+popular prefix cannot pile its conversations onto one worker. Decode placement prefers the
+holder while its load stays close to the least loaded (a hit there saves only transfer)."""
 
 from __future__ import annotations
 
@@ -11,11 +15,16 @@ from typing import Protocol
 
 from router.membership import WorkerRecord
 
-LOAD_SLACK = 2  # extra in-flight requests accepted for a prefix hit
+LOAD_SLACK = 2  # extra in-flight requests a decode holder may carry and still be preferred
 
 
 class RoutingPolicy(Protocol):
-    def pick_prefill(self, workers: list[WorkerRecord], prefix: list[int]) -> WorkerRecord | None: ...
+    def pick_prefill(self, workers: list[WorkerRecord], prefix: list[int], prompt_tokens: int) -> WorkerRecord | None:
+        ...
+
+    def expected_cached(self, worker: WorkerRecord, prefix: list[int], prompt_tokens: int) -> int:
+        """Prompt tokens `worker` is expected to find in its prefix cache (what it will not compute)."""
+        ...
 
     def rank_decode(self, workers: list[WorkerRecord], prefix: list[int], need_blocks: int) -> list[WorkerRecord]: ...
 
@@ -23,8 +32,11 @@ class RoutingPolicy(Protocol):
 
 
 class LeastLoaded:
-    def pick_prefill(self, workers: list[WorkerRecord], prefix: list[int]) -> WorkerRecord | None:
-        return min(workers, key=lambda w: (w.load, w.worker_id), default=None)
+    def pick_prefill(self, workers: list[WorkerRecord], prefix: list[int], prompt_tokens: int) -> WorkerRecord | None:
+        return min(workers, key=lambda w: (w.queued_tokens, w.load, w.worker_id), default=None)
+
+    def expected_cached(self, worker: WorkerRecord, prefix: list[int], prompt_tokens: int) -> int:
+        return 0
 
     def rank_decode(self, workers: list[WorkerRecord], prefix: list[int], need_blocks: int) -> list[WorkerRecord]:
         fits = [w for w in workers if w.free_blocks_estimate >= need_blocks]
@@ -39,21 +51,31 @@ class PrefixAware(LeastLoaded):
         self.capacity = capacity
         self.owner: OrderedDict[int, tuple[str, str]] = OrderedDict()  # block hash -> (prefill, decode)
 
-    def _holder(self, prefix: list[int], slot: int) -> str | None:
-        for h in reversed(prefix):
-            hit = self.owner.get(h)
+    def _held(self, prefix: list[int], slot: int) -> tuple[str | None, int]:
+        """The worker that last served the deepest known block of `prefix`, and how many blocks deep."""
+        for depth in range(len(prefix), 0, -1):
+            hit = self.owner.get(prefix[depth - 1])
             if hit is not None:
-                self.owner.move_to_end(h)
-                return hit[slot]
-        return None
+                self.owner.move_to_end(prefix[depth - 1])
+                return hit[slot], depth
+        return None, 0
 
-    def pick_prefill(self, workers: list[WorkerRecord], prefix: list[int]) -> WorkerRecord | None:
-        best = super().pick_prefill(workers, prefix)
-        holder = self._holder(prefix, 0)
-        for w in workers:
-            if w.worker_id == holder and best is not None and w.load <= best.load + LOAD_SLACK:
-                return w
-        return best
+    def _holder(self, prefix: list[int], slot: int) -> str | None:
+        return self._held(prefix, slot)[0]
+
+    def expected_cached(self, worker: WorkerRecord, prefix: list[int], prompt_tokens: int) -> int:
+        holder, depth = self._held(prefix, 0)
+        # The engine always computes the last prompt token (it yields the first output token).
+        return min(depth * worker.block_size, max(prompt_tokens - 1, 0)) if holder == worker.worker_id else 0
+
+    def pick_prefill(self, workers: list[WorkerRecord], prefix: list[int], prompt_tokens: int) -> WorkerRecord | None:
+        holder, depth = self._held(prefix, 0)
+
+        def work(w: WorkerRecord) -> int:  # tokens w computes before this prompt's first token
+            saved = min(depth * w.block_size, max(prompt_tokens - 1, 0)) if w.worker_id == holder else 0
+            return w.queued_tokens + prompt_tokens - saved
+
+        return min(workers, key=lambda w: (work(w), w.load, w.worker_id), default=None)
 
     def rank_decode(self, workers: list[WorkerRecord], prefix: list[int], need_blocks: int) -> list[WorkerRecord]:
         ranked = super().rank_decode(workers, prefix, need_blocks)

@@ -2,8 +2,9 @@
 
 It follows the router's request path (ARCHITECTURE.md): admission reserves prompt + output KV
 on a decode worker with room (or the request waits in the router's FIFO queue), the prefill
-worker is the least loaded one, or the one whose prefix cache holds the prompt's blocks while
-its load stays within LOAD_SLACK of the least; the first token leaves at the end of the prefill
+worker is the one with the fewest prompt tokens to compute before this prompt's first token
+(with prefix-aware routing, the blocks the router believes a worker holds are free there, as in
+router/policy.py); the first token leaves at the end of the prefill
 step; the KV ships (the profile's transfer time) and the sequence joins its decode worker's
 batch at the next step boundary. A one-token request in disaggregated mode skips admission.
 
@@ -26,7 +27,6 @@ from pdserve.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from pdserve.sim.workers import SimRequest, SimWorker, run_time, steps_done
 from router.planner import Arrival, Decision, Finished, Observation, Planner, Slos
 
-LOAD_SLACK = 2  # as router/policy.py: extra in-flight requests accepted for a prefix hit
 SCAN_LIMIT = 16  # pools larger than this are routed by the best of SAMPLE random workers
 SAMPLE = 8
 
@@ -296,11 +296,16 @@ class Cluster:
         pool = self.up["prefill"]
         if not pool:
             return None
-        best = min(self._candidates(pool), key=lambda w: (w.load, w.wid))
+        cands = self._candidates(pool)
+        holder, saved = None, 0
         if self.s.routing == "prefix_aware" and req.hash_ids:
-            holder = next((self.owner[h] for h in reversed(req.hash_ids) if h in self.owner), None)
-            if holder is not None and holder.state == "up" and holder.load <= best.load + LOAD_SLACK:
-                best = holder
+            depth = next((i + 1 for i in range(len(req.hash_ids) - 1, -1, -1) if req.hash_ids[i] in self.owner), 0)
+            holder = self.owner[req.hash_ids[depth - 1]] if depth else None
+            if holder is not None and holder.state == "up":
+                saved = min(depth * MOONCAKE_BLOCK_TOKENS, req.prompt_len - 1)
+                cands = cands if holder in cands else [*cands, holder]
+        best = min(cands, key=lambda w: (w.queued_tokens - (saved if w is holder else 0), w.load, w.wid))
+        if self.s.routing == "prefix_aware" and req.hash_ids:
             for h in req.hash_ids:
                 self.owner[h] = best
                 self.owner.move_to_end(h)

@@ -123,6 +123,11 @@ class SimWorker:
     def idle(self) -> bool:
         return self.load == 0 and not self.queue and not self.batch and not self.joining
 
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens still to compute here (the router's routing signal for prefill)."""
+        return sum(req.prompt_len - req.done for req in self.queue)
+
 
 def run_time(c0: float, c1: float, k: int) -> float:
     """Seconds for k decode steps whose costs are c0, c0 + c1, c0 + 2 c1, ..."""

@@ -36,6 +36,7 @@ CORRECTION_RANGE = (0.5, 4.0)
 BURST_WINDOW_S = 5.0
 OFFSET_LIMIT = 0.3
 DISTRUST = 0.02  # an attainment offset below this: the model is optimistic; ignore its diminishing returns
+PAID_GROWTH, PAID_GAIN = 1.3, 0.01  # a pool grown this much that gained less attainment: growth did not pay
 GOAL_RANGE = (0.5, 0.99)
 LIGHT_LOAD = 0.5  # utilization under which observed latency corrects the profile
 CV2_RANGE = (0.5, 16.0)
@@ -84,6 +85,8 @@ class SlaPlanner:
         # the queueing and batching models are off (they are approximations), aim that much lower
         # or higher.
         self.offset = {"prefill": 0.0, "decode": 0.0}
+        # Per pool, what the last two measured blocks saw: (start, replicas, observed attainment).
+        self.seen: dict[str, deque[tuple[float, float, float]]] = {p: deque(maxlen=2) for p in POOLS}
         self.history: dict[str, deque[tuple[float, int]]] = {p: deque() for p in POOLS}  # scale-down recs
         self.last_change: dict[str, float] = {p: -math.inf for p in POOLS}
         self.per_pool_target = 1 - (1 - cfg.target_attainment) / 2
@@ -129,15 +132,18 @@ class SlaPlanner:
             self._correct(*block, pt, dt)
         need = self._size(rate, pt, dt)
         # A scale-down also needs confidence that the load fell: the planned rate plus two
-        # Poisson standard errors of the interval's count, so that a quiet interval at low
-        # rates (a handful of arrivals) does not shed a worker the next one needs back.
+        # Poisson standard errors, so that a quiet interval at low rates (a handful of arrivals)
+        # does not shed a worker the next one needs back. The error is the rate's over a
+        # quarter of the scale-down window, not over one interval: the window's highest plan
+        # is kept anyway, and the maximum of 20 one-interval margins would count noise twice.
         high = max(rate, later)
-        relaxed = self._size((high + 2 * math.sqrt(high / cfg.interval_s)) * (1 + cfg.hysteresis), pt, dt, down=True)
+        noise = 2 * math.sqrt(high / max(cfg.interval_s, cfg.scale_down_window_s / 4))
+        relaxed = self._size((high + noise) * (1 + cfg.hysteresis), pt, dt, down=True)
         desired, reasons = self._policy(now, current, need, relaxed)
         inputs = {"rate_observed": obs.rate, "rate_burst": burst, "rate_planned": rate, "sample": len(self.sample),
                   "arrival_cv2": cv2, "prefix_hit_fraction": self.hit_fraction,
                   "attainment_observed": obs.attainment(), "correction": dict(self.correction),
-                  "attainment_offset": dict(self.offset),
+                  "attainment_offset": dict(self.offset), "model_trusted": {p: self._trust(p) for p in POOLS},
                   "predicted": self._predict(rate, desired, pt, dt)}
         decision = Decision(now, dict(current), desired, need, reasons, inputs)
         for p in POOLS:
@@ -156,9 +162,26 @@ class SlaPlanner:
         # would reveal a shrink too far comes only after it).
         return min(max(1 - (1 - goal) / 2, lo), hi) if down else goal
 
+    def _trust(self, pool: str) -> bool:
+        """Whether the model's diminishing returns may stop a pool's growth. Not when observation
+        says the model is optimistic, except when that says nothing about more workers: the
+        offset was measured before the last change took effect (growing again on it would
+        chase the same evidence twice), or the last growth it drove bought no attainment (the
+        misses are ones more workers do not save)."""
+        if self.offset[pool] > -DISTRUST:
+            return True
+        seen = self.seen[pool]
+        if not seen or seen[-1][0] < self.last_change[pool] + self.cfg.startup_s:
+            return True
+        if len(seen) == 2:
+            (_, before, got_before), (_, after, got_after) = seen
+            if after >= PAID_GROWTH * before and got_after - got_before < PAID_GAIN:
+                return True
+        return False
+
     def _size(self, rate: float, pt: Terms, dt: Terms, down: bool = False) -> dict[str, int]:
         lim = self.cfg
-        trust = {p: self.offset[p] > -DISTRUST for p in POOLS}
+        trust = {p: self._trust(p) for p in POOLS}
         return {"prefill": self.prefill_model.prefill_workers(rate, pt, self.goal("prefill", down),
                                                               self.correction["prefill"],
                                                               limit=lim.prefill.max_replicas, trust=trust["prefill"]),
@@ -229,6 +252,7 @@ class SlaPlanner:
                 "decode": self.decode_model.decode_attainment(max(current.get("decode", 0), 1.0), obs.rate, dt,
                                                               self.correction["decode"])}
         for pool in POOLS:
+            self.seen[pool].append((obs.start_s, current.get(pool, 0), seen[pool]))
             off = 0.7 * self.offset[pool] + 0.3 * (seen[pool] - said[pool])
             self.offset[pool] = min(max(off, -OFFSET_LIMIT), OFFSET_LIMIT)
 
