@@ -154,6 +154,13 @@ class ProcessSection(_Strict):
     # Start engine processes with glibc malloc keeping large blocks (see pdcommon.process_env):
     # fewer page faults per step, at the price of RSS staying at its peak.
     tune_malloc: bool = True
+    # On SIGTERM (a pod going away, `kill`) a worker stops taking work, finishes what it holds for
+    # up to this long, then leaves the router and exits. Keep it under Kubernetes'
+    # terminationGracePeriodSeconds, which kills the pod after that.
+    drain_timeout_s: float = Field(25.0, ge=0)
+    # Present while the worker is registered with the router and not draining: a readiness
+    # probe (`test -f`). Unset: none is written.
+    ready_file: str | None = None
 
 
 class SchedulingSection(_Strict):
@@ -225,6 +232,17 @@ class RaySection(_Strict):
     num_cpus: int | None = None
 
 
+class KubernetesSection(_Strict):
+    """Present: `pdserve router` scales the pools (`pdserve scale`, the planner) by patching the
+    scale subresource of their Deployments (pdserve/launch/kubernetes.py). Worker ids are pod
+    names (`--worker-id $(POD_NAME)`), so the router can mark the pods it drained for deletion."""
+    namespace: str | None = None  # None: the pod's own namespace (in-cluster), else the kubeconfig's
+    kubeconfig: str | None = None  # None: the pod's service account (in-cluster)
+    deployments: dict[str, str] = Field(default_factory=lambda: {
+        "prefill": "pdserve-prefill", "decode": "pdserve-decode", "colocated": "pdserve-colocated"})
+    request_timeout_s: float = Field(10.0, gt=0)
+
+
 class ClusterConfig(_Strict):
     model: str = "../shared/models/stories260K"
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -242,6 +260,7 @@ class ClusterConfig(_Strict):
     scheduling: SchedulingSection = Field(default_factory=SchedulingSection)
     planner: PlannerSection = Field(default_factory=PlannerSection)
     ray: RaySection = Field(default_factory=RaySection)
+    kubernetes: KubernetesSection | None = None
 
     @model_validator(mode="after")
     def _pool_sizes(self) -> ClusterConfig:

@@ -50,6 +50,9 @@ class WorkerRuntime:
         self.service: object | None = None  # the role's gRPC servicer, for introspection
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
+        self._hb_wake = threading.Event()  # a heartbeat now (the drain tells the router at once)
+        self._drain_seen = threading.Event()  # the router knows this worker is draining (or forgot it)
+        self.registered = False
         self._orphans = 0
         self._fingerprint: str | None = None
         self.incarnation = uuid.uuid4().hex  # this process's life: a restart gets a new one
@@ -130,11 +133,15 @@ class WorkerRuntime:
                         registered = hb.known
                         if hb.drain:
                             self.state = "draining"
+                        if req.status.state == "draining" and (hb.drain or not hb.known):
+                            self._drain_seen.set()
                 except grpc.RpcError as e:
                     # A router that refuses our credentials will not change its mind: say so loudly.
                     level = logging.ERROR if e.code() == grpc.StatusCode.UNAUTHENTICATED else logging.DEBUG
                     log.log(level, "heartbeat to %s failed: %s %s", self.router_address, e.code(), e.details())
-                self._hb_stop.wait(max(interval - (time.monotonic() - t0), 0.01))
+                self._set_registered(registered)
+                self._hb_wake.wait(max(interval - (time.monotonic() - t0), 0.01))
+                self._hb_wake.clear()
 
     async def run(self, add_servicer: Callable[[grpc.aio.Server], None], stop: asyncio.Event | None = None,
                   started: asyncio.Future | None = None) -> None:
@@ -144,11 +151,68 @@ class WorkerRuntime:
             if started is not None and not started.done():
                 started.set_result(self.address)
             await (stop or asyncio.Event()).wait()
+            await self.drain(self.cfg.process.drain_timeout_s)
         finally:
             await self.stop()
 
+    def _set_registered(self, registered: bool) -> None:
+        """Track registration, and keep the readiness file in step: present while registered and active."""
+        self.registered = registered
+        path = self.cfg.process.ready_file
+        if not path:
+            return
+        try:
+            if registered and self.state == "active":
+                if not os.path.exists(path):
+                    with open(path, "w") as f:
+                        f.write(self.worker_id + "\n")
+            elif os.path.exists(path):
+                os.unlink(path)
+        except OSError as e:
+            log.warning("cannot update the ready file %s: %s", path, e)
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stop taking work, let what is in flight finish (up to timeout_s), then leave the router.
+        Returns how many requests were still running when time ran out (0: a clean drain)."""
+        loop = asyncio.get_running_loop()
+        if self.server is None:  # never started
+            return 0
+        self.state = "draining"
+        # Warnings, not info: a pod's lifecycle should show in its log at the default level.
+        log.warning("%s worker %s draining: %d requests in flight, up to %.0fs", self.role, self.worker_id,
+                    self.inflight, timeout_s)
+        if self.registered:
+            self._hb_wake.set()
+            # The router stops routing here once a heartbeat says so: wait for that (briefly; a
+            # router that is gone cannot be told).
+            await loop.run_in_executor(None, self._drain_seen.wait, min(timeout_s, 2 * self.cfg.heartbeat.interval_s
+                                                                          + 1.0))
+        end = time.monotonic() + timeout_s
+        while self.inflight > 0 and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        left = max(self.inflight, 0)
+        log.warning("%s worker %s drained (%d requests unfinished)", self.role, self.worker_id, left)
+        self._hb_stop.set()
+        self._hb_wake.set()
+        if self._hb_thread is not None:
+            await loop.run_in_executor(None, self._hb_thread.join, 5)
+        if self.registered:
+            await loop.run_in_executor(None, self._leave, left)
+        return left
+
+    def _leave(self, unfinished: int) -> None:
+        try:
+            with self.identity.channel(self.router_address) as channel:
+                wrpc.ControlStub(channel).Leave(wpb.LeaveRequest(worker_id=self.worker_id, incarnation=self.incarnation,
+                                                                 unfinished=unfinished),
+                                                timeout=2.0, metadata=self.identity.metadata)
+        except grpc.RpcError as e:  # the router is gone too: it drops us by heartbeat timeout anyway
+            log.info("leaving the router failed: %s %s", e.code(), e.details())
+
     async def stop(self) -> None:
         self._hb_stop.set()
+        self._hb_wake.set()
+        self._set_registered(False)
         if self._hb_thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._hb_thread.join, 5)
         if self.server:

@@ -279,8 +279,15 @@ def _run_async(coro) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():  # a second signal: do not wait for the drain
+                print("stopping now, without draining", file=sys.stderr, flush=True)
+                os._exit(130)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         await coro(stop)
 
     try:
@@ -296,12 +303,19 @@ def cmd_router(args: argparse.Namespace) -> int:
     from router import serve
 
     cfg = _config(args)
+    launcher = None
+    if cfg.kubernetes is not None:  # pools are Deployments: scale them through the API server
+        from pdserve.launch.kubernetes import KubernetesLauncher
+
+        launcher = KubernetesLauncher(cfg.kubernetes)
+        print(f"scaling pools through Kubernetes (namespace {launcher.namespace}: "
+              f"{', '.join(launcher.deployment(r) for r in cfg.roles)})", flush=True)
 
     async def run(stop):
         started = asyncio.get_running_loop().create_future()
         started.add_done_callback(lambda f: print(f"router serving on {f.result()}", flush=True))
         started.add_done_callback(lambda f: lower_thread_priority(cfg.process.io_nice))
-        await serve(cfg, None, stop, started)
+        await serve(cfg, launcher, stop, started)
 
     return _run_async(run)
 

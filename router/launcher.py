@@ -8,10 +8,15 @@ from typing import Protocol
 
 
 class Launcher(Protocol):
+    # True where the platform replaces a dead worker itself (a Deployment recreates its pod):
+    # the router then does not replace it too.
+    self_healing: bool
+
     async def add_worker(self, role: str) -> str:
-        """Start one worker of `role`; returns its worker id. It registers with the router itself."""
+        """Start one worker of `role`; returns its worker id (or a placeholder where the platform
+        names it). It registers with the router itself."""
         ...
 
-    async def remove_worker(self, worker_id: str) -> None:
-        """Stop a worker the router has drained."""
+    async def remove_worker(self, worker_id: str, role: str) -> None:
+        """Stop a worker of `role` the router has drained."""
         ...

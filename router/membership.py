@@ -110,8 +110,22 @@ class Membership:
         rec.last_seen = time.monotonic()
         rec.status = status
         rec.pending_blocks = 0
+        if status.state == "draining" and rec.state == "active":  # it is going away (SIGTERM): no new work
+            rec.state = "draining"
+            log.info("worker draining", extra={"worker_id": worker_id})
         self.notify()
         return rec
+
+    def leave(self, worker_id: str, incarnation: str, unfinished: int) -> bool:
+        """A worker that drained itself says goodbye; False: not this router's (or not this process)."""
+        rec = self.workers.get(worker_id)
+        if rec is None or (incarnation and incarnation != rec.incarnation):
+            return False
+        if unfinished:
+            log.warning("worker left before its requests finished",
+                        extra={"worker_id": worker_id, "unfinished": unfinished})
+        self.drop(worker_id, "drained")
+        return True
 
     def _fail_inflight(self, rec: WorkerRecord, why: str) -> None:
         for fail in list(rec.inflight.values()):

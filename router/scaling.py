@@ -27,7 +27,8 @@ class Scaler:
         task.add_done_callback(self._tasks.discard)
 
     def _on_leave(self, rec, why: str) -> None:
-        if why != "drained" and self.core.launcher is not None:
+        launcher = self.core.launcher
+        if why != "drained" and launcher is not None and not launcher.self_healing:
             self._spawn(self._replace(rec.worker_id, rec.role))
 
     async def _replace(self, worker_id: str, role: str) -> None:
@@ -39,7 +40,7 @@ class Scaler:
         if worker_id in core.members.workers or self.current(role) >= core.targets.get(role, 0):
             return
         try:
-            await core.launcher.remove_worker(worker_id)
+            await core.launcher.remove_worker(worker_id, role)
         except Exception:
             log.exception("launcher failed to stop %s", worker_id)
         self.adding[role] += 1
@@ -80,11 +81,11 @@ class Scaler:
             for w in active[: prev - replicas]:
                 w.state = "draining"
                 draining.append(w.worker_id)
-                self._spawn(self._retire(w.worker_id))
+                self._spawn(self._retire(w.worker_id, pool))
         log.info("scale %s: %d -> %d (adding %s, draining %s)", pool, prev, replicas, adding, draining)
         return prev, adding, draining
 
-    async def _retire(self, worker_id: str) -> None:
+    async def _retire(self, worker_id: str, role: str) -> None:
         members = self.core.members
         while True:
             rec = members.workers.get(worker_id)
@@ -95,6 +96,6 @@ class Scaler:
             await members.wait_changed(0.5)
         members.drop(worker_id, "drained")
         try:
-            await self.core.launcher.remove_worker(worker_id)
+            await self.core.launcher.remove_worker(worker_id, role)
         except Exception:
             log.exception("launcher failed to remove %s", worker_id)

@@ -79,6 +79,10 @@ class ControlService(wrpc.ControlServicer):
             return wpb.HeartbeatReply(known=False)
         return wpb.HeartbeatReply(known=True, drain=rec.state == "draining")
 
+    async def Leave(self, request: wpb.LeaveRequest, context) -> wpb.LeaveReply:
+        return wpb.LeaveReply(known=self.core.members.leave(request.worker_id, request.incarnation,
+                                                             request.unfinished))
+
     async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
         try:
             prev, adding, draining = await self.scaler.scale(request.pool, request.replicas)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdcommon.v1 import router_pb2 as pdcommon_dot_v1_dot_router__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdcommon/v1/worker.proto\x12\npdserve.v1\x1a\x18pdcommon/v1/router.proto\"\x85\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\x12\'\n\tkv_layout\x18\t \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12\x1b\n\x13transfer_public_key\x18\x0b \x01(\t\".\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_shape\x18\x02 \x03(\r\"2\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"d\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\".\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\xa3\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x04 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x1a\n\x12transfer_timeout_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\r\x12\x14\n\x0ctransfer_key\x18\t \x01(\x0c\x12\"\n\x1a\x64\x65\x63ode_transfer_public_key\x18\n \x01(\t\"\xbc\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x11\n\tprefill_s\x18\x08 \x01(\x01J\x04\x08\x07\x10\x08R\x07queue_s\"R\n\x0fPrefillResponse\x12\'\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x42\x06\n\x04kindJ\x04\x08\x02\x10\x03R\x08transfer\"\xde\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1a\n\x12transfer_timeout_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctransfer_key\x18\x08 \x01(\x0c\"Y\n\x0bReservation\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0fnum_held_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\rJ\x04\x08\x03\x10\x04R\nnum_blocks\"\xee\x01\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rkv_transfer_s\x18\x06 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\n \x01(\x04J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nR\x07queue_sR\tprefill_sR\rcached_tokens\"\x9d\x01\n\x0e\x44\x65\x63odeResponse\x12.\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ReservationH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.DecodeTokensH\x00\x12\'\n\x05\x66irst\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x42\x06\n\x04kind2\xcd\x01\n\x07\x43ontrol\x12=\n\x08Register\x12\x16.pdserve.v1.WorkerInfo\x1a\x19.pdserve.v1.RegisterReply\x12\x45\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1a.pdserve.v1.HeartbeatReply\x12<\n\x05Scale\x12\x18.pdserve.v1.ScaleRequest\x1a\x19.pdserve.v1.ScaleResponse2U\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32Q\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdcommon/v1/worker.proto\x12\npdserve.v1\x1a\x18pdcommon/v1/router.proto\"\x85\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10transfer_address\x18\x04 \x01(\t\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x08 \x01(\t\x12\'\n\tkv_layout\x18\t \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x13\n\x0bincarnation\x18\n \x01(\t\x12\x1b\n\x13transfer_public_key\x18\x0b \x01(\t\".\n\x08KVLayout\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_shape\x18\x02 \x03(\r\"2\n\rRegisterReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"d\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\"J\n\x0cLeaveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x12\n\nunfinished\x18\x03 \x01(\r\"\x1b\n\nLeaveReply\x12\r\n\x05known\x18\x01 \x01(\x08\".\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"\xa3\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1f\n\x17\x64\x65\x63ode_transfer_address\x18\x04 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x05 \x01(\r\x12\x1a\n\x12transfer_timeout_s\x18\x06 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x07 \x01(\r\x12\x18\n\x10resume_token_ids\x18\x08 \x03(\r\x12\x14\n\x0ctransfer_key\x18\t \x01(\x0c\x12\"\n\x1a\x64\x65\x63ode_transfer_public_key\x18\n \x01(\t\"\xbc\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x01(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x11\n\tprefill_s\x18\x08 \x01(\x01J\x04\x08\x07\x10\x08R\x07queue_s\"R\n\x0fPrefillResponse\x12\'\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x42\x06\n\x04kindJ\x04\x08\x02\x10\x03R\x08transfer\"\xde\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1a\n\x12transfer_timeout_s\x18\x04 \x01(\x01\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\r\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\x12\x18\n\x10resume_token_ids\x18\x07 \x03(\r\x12\x14\n\x0ctransfer_key\x18\x08 \x01(\x0c\"Y\n\x0bReservation\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x17\n\x0fnum_held_blocks\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\rJ\x04\x08\x03\x10\x04R\nnum_blocks\"\xee\x01\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rkv_transfer_s\x18\x06 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\n \x01(\x04J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nR\x07queue_sR\tprefill_sR\rcached_tokens\"\x9d\x01\n\x0e\x44\x65\x63odeResponse\x12.\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ReservationH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.DecodeTokensH\x00\x12\'\n\x05\x66irst\x18\x03 \x01(\x0b\x32\x16.pdserve.v1.FirstTokenH\x00\x42\x06\n\x04kind2\x88\x02\n\x07\x43ontrol\x12=\n\x08Register\x12\x16.pdserve.v1.WorkerInfo\x1a\x19.pdserve.v1.RegisterReply\x12\x45\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1a.pdserve.v1.HeartbeatReply\x12<\n\x05Scale\x12\x18.pdserve.v1.ScaleRequest\x1a\x19.pdserve.v1.ScaleResponse\x12\x39\n\x05Leave\x12\x18.pdserve.v1.LeaveRequest\x1a\x16.pdserve.v1.LeaveReply2U\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse0\x01\x32Q\n\x0c\x44\x65\x63odeWorker\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,26 +40,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREPLY']._serialized_end=428
   _globals['_HEARTBEATREQUEST']._serialized_start=430
   _globals['_HEARTBEATREQUEST']._serialized_end=530
-  _globals['_HEARTBEATREPLY']._serialized_start=532
-  _globals['_HEARTBEATREPLY']._serialized_end=578
-  _globals['_PREFILLREQUEST']._serialized_start=581
-  _globals['_PREFILLREQUEST']._serialized_end=872
-  _globals['_FIRSTTOKEN']._serialized_start=875
-  _globals['_FIRSTTOKEN']._serialized_end=1063
-  _globals['_PREFILLRESPONSE']._serialized_start=1065
-  _globals['_PREFILLRESPONSE']._serialized_end=1147
-  _globals['_DECODEREQUEST']._serialized_start=1150
-  _globals['_DECODEREQUEST']._serialized_end=1372
-  _globals['_RESERVATION']._serialized_start=1374
-  _globals['_RESERVATION']._serialized_end=1463
-  _globals['_DECODETOKENS']._serialized_start=1466
-  _globals['_DECODETOKENS']._serialized_end=1704
-  _globals['_DECODERESPONSE']._serialized_start=1707
-  _globals['_DECODERESPONSE']._serialized_end=1864
-  _globals['_CONTROL']._serialized_start=1867
-  _globals['_CONTROL']._serialized_end=2072
-  _globals['_PREFILLWORKER']._serialized_start=2074
-  _globals['_PREFILLWORKER']._serialized_end=2159
-  _globals['_DECODEWORKER']._serialized_start=2161
-  _globals['_DECODEWORKER']._serialized_end=2242
+  _globals['_LEAVEREQUEST']._serialized_start=532
+  _globals['_LEAVEREQUEST']._serialized_end=606
+  _globals['_LEAVEREPLY']._serialized_start=608
+  _globals['_LEAVEREPLY']._serialized_end=635
+  _globals['_HEARTBEATREPLY']._serialized_start=637
+  _globals['_HEARTBEATREPLY']._serialized_end=683
+  _globals['_PREFILLREQUEST']._serialized_start=686
+  _globals['_PREFILLREQUEST']._serialized_end=977
+  _globals['_FIRSTTOKEN']._serialized_start=980
+  _globals['_FIRSTTOKEN']._serialized_end=1168
+  _globals['_PREFILLRESPONSE']._serialized_start=1170
+  _globals['_PREFILLRESPONSE']._serialized_end=1252
+  _globals['_DECODEREQUEST']._serialized_start=1255
+  _globals['_DECODEREQUEST']._serialized_end=1477
+  _globals['_RESERVATION']._serialized_start=1479
+  _globals['_RESERVATION']._serialized_end=1568
+  _globals['_DECODETOKENS']._serialized_start=1571
+  _globals['_DECODETOKENS']._serialized_end=1809
+  _globals['_DECODERESPONSE']._serialized_start=1812
+  _globals['_DECODERESPONSE']._serialized_end=1969
+  _globals['_CONTROL']._serialized_start=1972
+  _globals['_CONTROL']._serialized_end=2236
+  _globals['_PREFILLWORKER']._serialized_start=2238
+  _globals['_PREFILLWORKER']._serialized_end=2323
+  _globals['_DECODEWORKER']._serialized_start=2325
+  _globals['_DECODEWORKER']._serialized_end=2406
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,22 @@ class HeartbeatRequest(_message.Message):
     incarnation: str
     def __init__(self, worker_id: _Optional[str] = ..., status: _Optional[_Union[_router_pb2.WorkerStatus, _Mapping]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
+class LeaveRequest(_message.Message):
+    __slots__ = ("worker_id", "incarnation", "unfinished")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    UNFINISHED_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    incarnation: str
+    unfinished: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., unfinished: _Optional[int] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "drain")
     KNOWN_FIELD_NUMBER: _ClassVar[int]

@@ -52,6 +52,11 @@ class ControlStub:
                 request_serializer=pdcommon_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=pdcommon_dot_v1_dot_router__pb2.ScaleResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/pdserve.v1.Control/Leave',
+                request_serializer=pdcommon_dot_v1_dot_worker__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=pdcommon_dot_v1_dot_worker__pb2.LeaveReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -78,6 +83,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """A worker that drained itself (SIGTERM, a Kubernetes pod going away) leaves: the router
+        forgets it at once instead of waiting out the heartbeat timeout.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +108,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=pdcommon_dot_v1_dot_router__pb2.ScaleRequest.FromString,
                     response_serializer=pdcommon_dot_v1_dot_router__pb2.ScaleResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=pdcommon_dot_v1_dot_worker__pb2.LeaveRequest.FromString,
+                    response_serializer=pdcommon_dot_v1_dot_worker__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +198,33 @@ class Control:
             '/pdserve.v1.Control/Scale',
             pdcommon_dot_v1_dot_router__pb2.ScaleRequest.SerializeToString,
             pdcommon_dot_v1_dot_router__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Control/Leave',
+            pdcommon_dot_v1_dot_worker__pb2.LeaveRequest.SerializeToString,
+            pdcommon_dot_v1_dot_worker__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,

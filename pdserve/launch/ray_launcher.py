@@ -22,6 +22,8 @@ ROLES = ("prefill", "decode", "colocated")
 
 
 class RayLauncher:
+    self_healing = False  # a dead actor stays dead: the router starts a replacement
+
     def __init__(self, cfg: ClusterConfig, cluster_name: str) -> None:
         self.cfg = cfg
         self._cfg_dump = cfg.model_dump()  # what worker actors receive
@@ -58,7 +60,7 @@ class RayLauncher:
         self.actors[worker_id] = actor
         return worker_id
 
-    async def remove_worker(self, worker_id: str) -> None:
+    async def remove_worker(self, worker_id: str, role: str) -> None:
         actor = self.actors.pop(worker_id, None)
         if actor is None:
             return
@@ -69,7 +71,7 @@ class RayLauncher:
         ray.kill(actor, no_restart=True)
 
     async def remove_all(self) -> None:
-        await asyncio.gather(*(self.remove_worker(w) for w in list(self.actors)), return_exceptions=True)
+        await asyncio.gather(*(self.remove_worker(w, "") for w in list(self.actors)), return_exceptions=True)
 
     async def pids(self) -> dict[str, int]:
         out = {}
