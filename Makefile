@@ -25,7 +25,7 @@ lint: install
 
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
 test: install proto-check lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -rs tests  # -rs: say why anything was skipped
 
 demo: install
 	$(PY) -m pdserve.cli demo --config configs/local.yaml --model $(MODEL)

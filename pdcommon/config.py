@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, create_model, model_validator
 
 from engine.config import EngineConfig
 
@@ -55,8 +55,14 @@ class EngineOverrides(_EngineOverrides):  # type: ignore[misc, valid-type]
 
 class PoolSection(_Strict):
     replicas: int | None = Field(None, ge=0)
+    # Bind address. On a multi-host Ray cluster use 0.0.0.0 and leave advertise_host unset: each
+    # worker then advertises the IP of the node it landed on.
     host: str = "127.0.0.1"
     advertise_host: str | None = None
+    # Ray resources each worker of this pool asks for, e.g. {CPU: 2, pdserve_prefill: 1}: with the
+    # node types of configs/ray/*.yaml, a custom resource places the pool on its own kind of node.
+    # Empty: no placement (a worker may land on any node). `pdserve up` prints where each landed.
+    resources: dict[str, NonNegativeFloat] = Field(default_factory=dict)
     port: int = Field(0, ge=0, le=65535)  # 0: pick a free port
     transfer_port: int = Field(0, ge=0, le=65535)
     engine: EngineOverrides = Field(default_factory=EngineOverrides)  # per-pool overrides of the engine section
@@ -227,8 +233,12 @@ class PlannerSection(_Strict):
 
 
 class RaySection(_Strict):
-    address: str | None = None  # None: start an embedded local instance; "auto": join a cluster
-    node_ip_address: str = "127.0.0.1"
+    # None: start an embedded local instance; "auto": join the cluster this node belongs to (the
+    # router actor then runs on the node where `pdserve up` runs, so its address is that node's).
+    address: str | None = None
+    # This node's address for Ray. The embedded instance stays on loopback; joining a multi-host
+    # cluster, null lets Ray take the node's own address (or name it here).
+    node_ip_address: str | None = "127.0.0.1"
     num_cpus: int | None = None
 
 

@@ -121,7 +121,11 @@ class WorkerRuntime:
             while not self._hb_stop.is_set():
                 t0 = time.monotonic()
                 try:
-                    if not registered:
+                    if not registered and self.state == "draining":
+                        # Drained and forgotten (a scale-down, or our own SIGTERM): going away, so
+                        # never back into the pool, where new work would find a dying worker.
+                        self._drain_seen.set()
+                    elif not registered:
                         reply = stub.Register(self.info(), timeout=timeout, metadata=md)
                         registered = reply.accepted
                         if not reply.accepted:

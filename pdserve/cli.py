@@ -83,6 +83,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         pools = " + ".join(f"{cfg.pool(r).replicas} {r}" for r in cfg.roles)
         print(f"pdserve router ready at grpc://{addr}  ({pools} workers, {cfg.mode}, {cfg.transfer.transport} "
               f"transfer, {time.perf_counter() - t0:.1f}s)", flush=True)
+        _print_placement(addr)
         sec = cfg.security
         where = {"token": f"cluster token in {sec.token_file}", "mtls": f"certificates in {sec.certs_dir}",
                  "none": "NO authentication"}[sec.mode]
@@ -96,6 +97,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("stopping...", flush=True)
         cluster.stop()
     return 0
+
+
+def _print_placement(router: str) -> None:
+    """Where each worker landed (its advertised host: on a multi-host cluster, its node's IP)."""
+    from pdcommon.client import RouterClient
+
+    with RouterClient(router) as client:
+        workers = sorted(client.status().workers, key=lambda w: (w.role, w.worker_id))
+    for w in workers:
+        print(f"  {w.role:9s} {w.worker_id:14s} on {w.address.rsplit(':', 1)[0]}  (serving {w.address})", flush=True)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ import ray
 from pdcommon.config import ClusterConfig
 from pdcommon.priority import restore_priority
 from pdserve.launch.loop_host import LoopHost, quiet_logging
+from pdserve.launch.placement import advertise_node_ip
 from pdserve.launch.ray_launcher import RayLauncher
 
 
@@ -21,6 +22,7 @@ class RouterActor:
         from router import RouterServer
 
         self.cfg = ClusterConfig.model_validate(cfg)
+        advertise_node_ip(self.cfg, "router")
         restore_priority(self.cfg.process.nice)  # before any thread starts: they inherit it
         self.launcher = RayLauncher(self.cfg, cluster_name)
         self.restarted = bool(self.launcher.adopt())

@@ -23,6 +23,7 @@ class RayCluster:
         self.http_address = ""
         self.control_address = ""
         self._own_ray = False
+        self._embedded = True
         self.name = f"pdserve-{uuid.uuid4().hex[:8]}"  # prefix of every actor of this cluster
         self._secret: Path | None = None  # the token file this launcher wrote (removed on stop)
 
@@ -45,7 +46,9 @@ class RayCluster:
         import ray
 
         from pdserve.launch.actors import RouterActor
+        from pdserve.launch.placement import on_this_node
 
+        self._embedded = not joining
         if not ray.is_initialized():
             r = self.cfg.ray
             # Ray's own convention: RAY_ADDRESS names a running cluster to join.
@@ -57,14 +60,17 @@ class RayCluster:
                          num_cpus=r.num_cpus or os.cpu_count(), log_to_driver=False, configure_logging=False,
                          _system_config={"worker_niceness": 0})
             else:
-                ray.init(address=address, _node_ip_address=r.node_ip_address, log_to_driver=False)
+                ip = {"_node_ip_address": r.node_ip_address} if r.node_ip_address else {}
+                ray.init(address=address, log_to_driver=False, **ip)
             self._own_ray = True
         self._pin_ports()
         r = self.cfg.router
         self._secret = provision_token(self.cfg.security, token_path(f"{r.advertise_host or r.host}:{r.port}"))
         ClusterIdentity.from_config(self.cfg.security)  # fail here, not inside an actor, when certs are missing
         cfg = self.cfg.model_dump()
-        self.router = RouterActor.options(name=f"{self.name}-router").remote(cfg, self.name)
+        # Joining a cluster, the router stays on this node: its address is the one printed here.
+        where = on_this_node() if not self._embedded else {}
+        self.router = RouterActor.options(name=f"{self.name}-router", **where).remote(cfg, self.name)
         self.address = ray.get(self.router.address.remote(120.0), timeout=180)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=60)
         self.control_address = ray.get(self.router.control_address.remote(), timeout=60)

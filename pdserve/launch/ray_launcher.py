@@ -15,6 +15,7 @@ import ray
 
 from pdcommon.config import ClusterConfig
 from pdcommon.process_env import engine_process_env
+from pdserve.launch.placement import actor_options
 from pdserve.launch.worker_actor import WorkerActor
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ class RayLauncher:
         worker_id = f"{role}-{next(self._ids[role])}"
         # Ray starts a fresh worker process for a runtime_env: these are set from its first instruction.
         env = {"env_vars": engine_process_env(self.cfg.engine_config(role).num_threads, self.cfg.process.tune_malloc)}
-        actor = WorkerActor.options(name=self._actor_name(worker_id), lifetime="detached", runtime_env=env).remote(
+        actor = WorkerActor.options(name=self._actor_name(worker_id), lifetime="detached", runtime_env=env,
+                                    **actor_options(self.cfg.pool(role).resources)).remote(
             self._cfg_dump, role, worker_id, self.router_address)
         self.actors[worker_id] = actor
         return worker_id

@@ -9,6 +9,7 @@ import ray
 from pdcommon.config import ClusterConfig
 from pdcommon.priority import restore_priority
 from pdserve.launch.loop_host import LoopHost, quiet_logging
+from pdserve.launch.placement import advertise_node_ip
 from pdserve.launch.roles import serve_worker
 
 
@@ -17,6 +18,7 @@ class WorkerActor:
     def __init__(self, cfg: dict, role: str, worker_id: str, router_address: str) -> None:
         quiet_logging()
         config = ClusterConfig.model_validate(cfg)
+        advertise_node_ip(config, role)
         restore_priority(config.process.nice)  # before any thread starts: they inherit it
         self.worker_id = worker_id
         self.host = LoopHost(lambda stop, started: serve_worker(config, role, worker_id, router_address, stop, started),
