@@ -66,6 +66,29 @@ def measure_prefill(eng, n: int, parts: int, repeats: int, rng: random.Random) -
     return StepSample([(size, size)] * parts, [], statistics.median(times))
 
 
+def measure_prefix_hit(eng, n: int, hit: int, repeats: int, rng: random.Random) -> StepSample:
+    """A prompt of `n` tokens whose first `hit` are prefix-cache hits: the step computes the
+    other n - hit against the whole context (a real hit: the same leading tokens were computed
+    just before and stay cached)."""
+    from engine import SamplingParams
+
+    sp, vocab = SamplingParams(max_tokens=1, temperature=0), eng.spec.vocab_size
+    times = []
+    for _ in range(repeats):
+        base = _prompt(rng, n, vocab)
+        eng.add_request(None, base, sp)
+        _drain(eng)  # computed once; its full blocks stay in the prefix cache
+        eng.add_request(None, base[:hit] + _prompt(rng, n - hit, vocab), sp)
+        t0 = time.perf_counter()
+        outs = eng.step()
+        times.append(time.perf_counter() - t0)
+        if len(outs) != 1 or outs[0].num_cached_tokens != hit:
+            got = outs[0].num_cached_tokens if outs else None
+            raise RuntimeError(f"prefix-hit step: expected {hit} cached tokens, the engine found {got}")
+        _drain(eng)
+    return StepSample([(n - hit, n)], [], statistics.median(times))
+
+
 def measure_decode(eng, batch: int, context: int, steps: int, rng: random.Random,
                    prompt: int = 0) -> StepSample:
     """Decode steps of `batch` sequences at `context`; with `prompt`, one more prompt of that many
@@ -94,8 +117,9 @@ def _powers(lo: int, hi: int) -> list[int]:
 
 def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repeats: int = 3, steps: int = 8,
                 log=print) -> StepCostModel:
-    """Profile an engine built from `engine_config` (the pool's own settings; only the token budget,
-    prefix caching and the batch cap are widened so that each measured step is what was asked)."""
+    """Profile an engine built from `engine_config` (the pool's own settings; only the token budget
+    and the batch cap are widened so that each measured step is what was asked; prompts are random,
+    so prefix hits happen only where the hit sweep makes them)."""
     import dataclasses
 
     import torch
@@ -104,7 +128,7 @@ def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repe
 
     limit = engine_config.max_model_len
     cfg = dataclasses.replace(engine_config, max_num_batched_tokens=max(max_prompt, max_batch) + 64,
-                              prefill_chunk_size=None, enable_prefix_caching=False,
+                              prefill_chunk_size=None,
                               max_num_seqs=max(engine_config.max_num_seqs, max_batch + 1))
     eng = LLMEngine(cfg)
     spec, stats = eng.spec, eng.stats()
@@ -119,6 +143,18 @@ def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repe
         for parts in (1, 4) if n >= 256 else (1,):
             samples.append(measure_prefill(eng, n, parts, repeats, rng))
             log(f"  prefill {parts} x {n // parts:5d} tokens: {samples[-1].seconds * 1e3:8.1f} ms")
+    # Prefix hits: the prompt's hit fraction is an input of the model (the cached part is not
+    # computed, but the rest attends to it). At the longest prompt, half, 3/4 and 7/8 cached, so
+    # the computed part is a token count already measured alone and the difference is context.
+    hits = []
+    n = _powers(16, max_prompt)[-1]
+    if cfg.enable_prefix_caching:
+        for new in (n // 2, n // 4, n // 8):
+            if new < 16 or new % cfg.block_size:
+                continue
+            hits.append(measure_prefix_hit(eng, n, n - new, repeats, rng))
+            log(f"  prefill {n:5d} tokens, {n - new:5d} cached: {hits[-1].seconds * 1e3:8.1f} ms")
+        samples += hits
     contexts = sorted({min(32, max_len // 4), min(512, max_len * 3 // 4)})
     for context in contexts:
         for b in _powers(1, max_batch):
@@ -140,6 +176,7 @@ def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repe
             "profile_seconds": round(time.perf_counter() - t0, 1)}
     model = StepCostModel.fit(samples, kv_capacity_tokens=capacity, meta=meta)
     model.meta["held_out"] = model.scored(checks)
+    model.meta["prefix_hits"] = model.scored(hits)  # in the fit: how well it carries the hit fraction
     itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     model.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
     return model
@@ -164,10 +201,19 @@ def plot(model: StepCostModel, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     pf = [s for s in model.samples if s["prefills"] and not s["decodes"]]
+    hit = [s for s in pf if any(ctx > n for n, ctx in s["prefills"])]  # the prefix-hit sweep
+    pf = [s for s in pf if s not in hit]
     for parts in sorted({len(s["prefills"]) for s in pf}):
-        pts = sorted((sum(n for n, _ in s["prefills"]), s) for s in pf if len(s["prefills"]) == parts)
+        pts = sorted(((sum(n for n, _ in s["prefills"]), s) for s in pf if len(s["prefills"]) == parts),
+                     key=lambda p: p[0])
         ax1.plot([t for t, _ in pts], [s["seconds"] * 1e3 for _, s in pts], "o", label=f"measured, {parts} prompt(s)")
         ax1.plot([t for t, _ in pts], [s["predicted"] * 1e3 for _, s in pts], "-", alpha=0.6)
+    if hit:
+        ctx = hit[0]["prefills"][0][1]
+        ax1.plot([s["prefills"][0][0] for s in hit], [s["seconds"] * 1e3 for s in hit], "x", ms=8,
+                 label=f"measured, after a prefix hit ({ctx}-token prompt)")
+        ax1.plot([s["prefills"][0][0] for s in hit], [s["predicted"] * 1e3 for s in hit], "+", ms=10,
+                 label="predicted, after a prefix hit")
     ax1.set(xscale="log", yscale="log", xlabel="prefill tokens in the step", ylabel="step time (ms)",
             title="prefill step")
     ax1.legend(fontsize=8)

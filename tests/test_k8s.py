@@ -32,8 +32,8 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
     (root / "base" / "secrets" / "cluster.token").write_text("test-token-0123456789abcdef\n")
     (root / "base" / "secrets" / "api-keys").write_text("sk-test\n")
     out = {}
-    for name in ["base", *OVERLAYS]:
-        path = root / "base" if name == "base" else root / "overlays" / name
+    for name in ["k8s", "base", *OVERLAYS]:
+        path = {"k8s": root, "base": root / "base"}.get(name, root / "overlays" / name)
         res = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr
         out[name] = [d for d in yaml.safe_load_all(res.stdout) if d]
@@ -49,8 +49,9 @@ def pod_specs(docs: list[dict]) -> dict[str, dict]:
             for kind in ("Deployment", "Job") for name, d in kinds(docs, kind).items()}
 
 
-def test_overlays_exist():
+def test_overlays_exist_and_k8s_itself_is_the_cpu_demo(rendered):
     assert {"cpu-demo", "gpu"} <= set(OVERLAYS)
+    assert rendered["k8s"] == rendered["cpu-demo"]  # `kubectl apply -k k8s/` works too
 
 
 @pytest.mark.parametrize("overlay", ["base", *OVERLAYS])

@@ -103,8 +103,10 @@ class Hosts:
                 f"exec $(command -v sshd || echo /usr/sbin/sshd) -D -e -f {h / 'sshd_config'}")
         with open(h / "sshd.log", "wb") as log:
             # Its own PID namespace: sshd is its init, so killing it ends everything the host ran.
+            # --kill-child: the namespace's init dies with unshare, even on SIGKILL (a death signal).
             self.sshd.append(subprocess.Popen(["ip", "netns", "exec", name, "unshare", "--pid", "--mount", "--fork",
-                                               "--mount-proc", "sh", "-c", boot], stdout=log, stderr=subprocess.STDOUT))
+                                               "--kill-child", "--mount-proc", "sh", "-c", boot],
+                                              stdout=log, stderr=subprocess.STDOUT))
 
     def ssh(self, ip: str, command: str, **kw) -> subprocess.CompletedProcess:
         return subprocess.run(["ssh", "-q", "-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o",
@@ -129,6 +131,16 @@ class Hosts:
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def leftovers(self, timeout_s: float = 10) -> list[str]:
+        """Processes anywhere on the machine still running from this test's hosts."""
+        end = time.monotonic() + timeout_s
+        while True:
+            found = subprocess.run(["pgrep", "-af", str(self.base)], capture_output=True, text=True).stdout.split("\n")
+            found = [f for f in found if f and "pgrep" not in f]
+            if not found or time.monotonic() > end:
+                return found
+            time.sleep(0.2)
 
 
 def cluster_yaml(hosts: Hosts, path: Path) -> Path:
@@ -166,6 +178,7 @@ def hosts(tmp_path):
         yield h
     finally:
         h.stop()
+    assert h.leftovers() == [], "the hosts' processes outlived them"
 
 
 def test_ray_up_two_hosts_prefill_and_decode_apart(hosts, tmp_path, stories_path):

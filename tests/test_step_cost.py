@@ -156,3 +156,8 @@ def test_pdserve_profile_on_a_real_engine(tmp_path, stories_path):
     assert model.kv_capacity_tokens > 0 and model.knots[-1] >= 256
     assert {len(s["decodes"]) for s in model.samples} >= {0, 1, 2, 4, 8}
     assert model.fit_error() < 0.5  # a shared noisy machine: loose, but a broken fit is off by far more
+    # The hit sweep: real prefix-cache hits (the profiler checks the engine's own count of cached
+    # tokens), the computed part attending to the whole prompt.
+    hits = model.meta["prefix_hits"]
+    assert [h["prefills"] for h in hits] == [[[128, 256]], [[64, 256]], [[32, 256]]]
+    assert all(h["predicted"] > 0 for h in hits)
