@@ -165,7 +165,7 @@ class ProcessSection(_Strict):
     # terminationGracePeriodSeconds, which kills the pod after that.
     drain_timeout_s: float = Field(25.0, ge=0)
     # Present while the worker is registered with the router and not draining: a readiness
-    # probe (`test -f`). Unset: none is written.
+    # probe (`test -f`). `{worker_id}` in it is replaced (workers sharing a host). Unset: none.
     ready_file: str | None = None
 
 

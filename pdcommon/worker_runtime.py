@@ -165,9 +165,11 @@ class WorkerRuntime:
         path = self.cfg.process.ready_file
         if not path:
             return
+        path = path.replace("{worker_id}", self.worker_id)
         try:
             if registered and self.state == "active":
                 if not os.path.exists(path):
+                    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # /tmp/pdserve on an emptyDir
                     with open(path, "w") as f:
                         f.write(self.worker_id + "\n")
             elif os.path.exists(path):

@@ -18,10 +18,10 @@ def test_sigterm_drains_in_flight_streams_then_leaves(stories_path, tmp_path):
     # so that the signal lands while all of them are in flight.
     cluster = ProcessCluster(stories_path, tmp_path, prefill=1, decode=1,
                              **{"engine.emulate_device_s_per_token": 0.003, "process.drain_timeout_s": 30,
-                                "process.ready_file": str(tmp_path / "decode-ready")})
+                                "process.ready_file": str(tmp_path / "state" / "{worker_id}.ready")})
     try:
-        ready = tmp_path / "decode-ready"  # every worker writes the same path here; decode's matters below
-        assert ready.exists(), "a registered, active worker keeps its ready file"
+        ready = tmp_path / "state" / "decode-0.ready"  # its folder made as needed
+        assert ready.exists() and (tmp_path / "state" / "prefill-0.ready").exists(), "registered, active: ready"
         results: list[tuple[int, str] | BaseException] = []
         first = threading.Barrier(STREAMS + 1, timeout=60)
 
@@ -56,6 +56,10 @@ def test_sigterm_drains_in_flight_streams_then_leaves(stories_path, tmp_path):
                 break
             time.sleep(0.05)
         assert states.get("decode-0") == "draining", states
+        end = time.monotonic() + 5
+        while ready.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not ready.exists(), "a draining worker is not ready (no new work through a Service either)"
         for t in threads:
             t.join(120)
         assert results == [(TOKENS, "length")] * STREAMS, results

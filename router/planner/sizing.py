@@ -73,8 +73,8 @@ class Terms:
     single: int  # one-token requests (no TPOT)
     outputs: list[int]
     mean_output: float
-    context: int  # mean decode context: prompt + half the output
-    kv_tokens: float  # mean KV reservation: prompt + output
+    context: int  # decode context of a batch resident: prompt + half the output, weighed by output
+    kv_tokens: float  # KV reservation of a batch resident: prompt + output, weighed by output
     service_mean: float
     service_cv2: float  # squared coefficient of variation of the prefill time
     _rooms: dict = field(default_factory=dict)
@@ -127,8 +127,8 @@ class PoolModel:
                      single=sum(r[2] is None for r in rows),
                      outputs=[a.output_len for a in sample],
                      mean_output=statistics.fmean(a.output_len for a in sample) if sample else 0.0,
-                     context=round(statistics.fmean(a.prompt_len + a.output_len / 2 for a in sample)) if sample else 1,
-                     kv_tokens=statistics.fmean(a.prompt_len + a.output_len for a in sample) if sample else 0.0,
+                     context=round(_resident_mean([a.prompt_len + a.output_len / 2 for a in sample], sample)),
+                     kv_tokens=_resident_mean([a.prompt_len + a.output_len for a in sample], sample),
                      service_mean=mean,
                      service_cv2=statistics.pvariance(service) / (mean * mean) if mean > 0 else 0.0)
 
@@ -213,6 +213,14 @@ class PoolModel:
         reachable = self._meets(1.0, t, correction)
         goal = min(target * reachable, reachable - REACH_MARGIN)
         return _fewest(_enough(lambda d: self.decode_attainment(d, rate, t, correction), goal, trust), 1, limit)
+
+
+def _resident_mean(values: list[float], sample: Sequence[Arrival]) -> float:
+    """The mean over what sits in a decode batch at a random moment: a request stays for its
+    output's steps, so long outputs are there longer, and their contexts and reservations weigh
+    by output length (on the Mooncake trace 9% above the plain mean context)."""
+    weights = [max(a.output_len, 1) for a in sample]
+    return sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights) if sample else 1.0
 
 
 def _enough(attainment, goal: float, trust: bool = True):
