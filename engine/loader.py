@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import DecoderModel, Linear
+from engine.model import DecoderModel, Linear, rope_tables
 from engine.model_meta import (
     ModelLoadError,
     ModelSpec,
@@ -126,7 +126,7 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> Loade
     inv_freq, attn_scale = rope_inv_freq(path, spec, cfg)
     weights = _fused_weights(_load_state(path), spec, path)
     with torch.device("meta"):
-        net = DecoderModel(spec, inv_freq.to("meta"), attn_scale)
+        net = DecoderModel(spec)  # no tensor op may run here: on the meta device each imports torch._dynamo
     try:
         missing, _ = net.load_state_dict(weights, strict=False, assign=True)
     except RuntimeError as e:
@@ -135,11 +135,9 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> Loade
         raise ModelLoadError(f"weights in {path} lack tensors: {missing[:5]}")
     net.cos_table = net.sin_table = torch.empty(0)
     net = net.to(device=dev, dtype=DTYPES[dtype]).eval()
-    # Rope tables stay fp32 (as in transformers) and are rebuilt here: meta tensors hold no data.
-    pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
-    emb = torch.outer(pos, inv_freq.float()).repeat(1, 2)
-    net.cos_table = (emb.cos() * attn_scale).to(dev)
-    net.sin_table = (emb.sin() * attn_scale).to(dev)
+    # Rope tables stay fp32 (as in transformers), whatever the weights' dtype.
+    cos, sin = rope_tables(spec.max_position_embeddings, inv_freq, attn_scale)
+    net.cos_table, net.sin_table = cos.to(dev), sin.to(dev)
     for p in net.parameters():
         p.requires_grad_(False)
     return LoadedModel(net, spec, tokenizer, eos_ids(path, cfg, tokenizer), path)

@@ -120,22 +120,31 @@ def activation(name: str):
     return ACT2FN[name]
 
 
+def rope_tables(max_positions: int, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin per position, as transformers' rotary embedding computes them."""
+    pos = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    emb = torch.outer(pos, inv_freq.float()).repeat(1, 2)
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
         act = activation(spec.hidden_act)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Given a weight, the embedding skips its random init: the loaded weights replace it anyway,
+        # and a normal_() on the meta device imports torch._dynamo (1.8 s of every worker start).
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                         _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec, act) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # Tied embeddings are read through F.linear (no transposed copy of the vocabulary matrix).
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        # cos/sin tables in fp32, like transformers' rotary embedding, cast at lookup.
-        pos = torch.arange(spec.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_table", emb.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin_table", emb.sin() * attention_scaling, persistent=False)
+        # cos/sin tables in fp32, like transformers' rotary embedding, cast at lookup; the loader
+        # builds them (rope_tables) on the model's device after the weights land.
+        self.register_buffer("cos_table", torch.empty(0), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> torch.Tensor:
