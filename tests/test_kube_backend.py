@@ -131,3 +131,36 @@ def test_pdserve_scale_drives_the_deployments(kube, stories_path, tmp_path):
         assert replicas(tmp_path, "pdserve-prefill") == 2
     finally:
         cluster.stop()
+
+
+def test_the_planner_scales_the_deployments(kube, stories_path, tmp_path):
+    """The SLA planner in a router under Kubernetes acts through the backend: a burst one prefill
+    worker cannot absorb raises the prefill Deployment's replicas (the pods would then start and
+    register; here the fake only records the count)."""
+    import json
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pdcommon.client import make_request
+    from pdcommon.step_cost import StepCostModel
+
+    profile = tmp_path / "slow-chip.json"
+    StepCostModel([1, 64], [0.01, 0.2], 0.0, 0.0, kv_capacity_tokens=4096).save(profile)  # asks for more
+    cluster = ProcessCluster(stories_path, tmp_path, prefill=1, decode=1,
+                             **{"kubernetes.kubeconfig": str(tmp_path / "kubeconfig"), "planner.mode": "sla",
+                                "planner.profile": str(profile), "planner.interval_s": 0.5,
+                                "planner.ttft_slo_s": 1.0})
+    kube.objects[("deployments", "pdserve-decode")]["spec"]["replicas"] = 1
+    try:
+        with cluster.client() as client, ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: client.generate(make_request([5 + i] * 40, max_tokens=4), timeout=60), range(16)))
+            end = time.monotonic() + 30
+            while replicas(tmp_path, "pdserve-prefill") == 1:
+                assert time.monotonic() < end, client.status().planner
+                time.sleep(0.2)
+            plan = json.loads(client.status().planner)
+        assert plan["acting"] is True and plan["decision"]["desired"]["prefill"] > 1
+        writes = [path for method, path, code in kube.log if method == "PUT" and code == 200]
+        assert any(p.endswith("/deployments/pdserve-prefill/scale") for p in writes)
+    finally:
+        cluster.stop()
