@@ -245,7 +245,7 @@ class RaySection(_Strict):
 class KubernetesSection(_Strict):
     """Present: `pdserve router` scales the pools (`pdserve scale`, the planner) by patching the
     scale subresource of their Deployments (pdserve/launch/kubernetes.py). Worker ids are pod
-    names (`--worker-id $(POD_NAME)`), so the router can mark the pods it drained for deletion."""
+    names (`--worker-id $(WORKER_NAME)`, the pod's name), so the router can mark the pods it drained for deletion."""
     namespace: str | None = None  # None: the pod's own namespace (in-cluster), else the kubeconfig's
     kubeconfig: str | None = None  # None: the pod's service account (in-cluster)
     deployments: dict[str, str] = Field(default_factory=lambda: {

@@ -60,26 +60,18 @@ class PrefixAware(LeastLoaded):
                 return hit[slot], depth
         return None, 0
 
-    def _holder(self, prefix: list[int], slot: int) -> str | None:
-        return self._held(prefix, slot)[0]
-
     def expected_cached(self, worker: WorkerRecord, prefix: list[int], prompt_tokens: int) -> int:
-        holder, depth = self._held(prefix, 0)
-        # The engine always computes the last prompt token (it yields the first output token).
-        return min(depth * worker.block_size, max(prompt_tokens - 1, 0)) if holder == worker.worker_id else 0
+        return _saved(worker, self._held(prefix, 0), prompt_tokens)
 
     def pick_prefill(self, workers: list[WorkerRecord], prefix: list[int], prompt_tokens: int) -> WorkerRecord | None:
-        holder, depth = self._held(prefix, 0)
-
-        def work(w: WorkerRecord) -> int:  # tokens w computes before this prompt's first token
-            saved = min(depth * w.block_size, max(prompt_tokens - 1, 0)) if w.worker_id == holder else 0
-            return w.queued_tokens + prompt_tokens - saved
-
-        return min(workers, key=lambda w: (work(w), w.load, w.worker_id), default=None)
+        held = self._held(prefix, 0)
+        # Tokens w computes before this prompt's first token, less the prompt itself (the same everywhere).
+        return min(workers, key=lambda w: (w.queued_tokens - _saved(w, held, prompt_tokens), w.load, w.worker_id),
+                   default=None)
 
     def rank_decode(self, workers: list[WorkerRecord], prefix: list[int], need_blocks: int) -> list[WorkerRecord]:
         ranked = super().rank_decode(workers, prefix, need_blocks)
-        holder = self._holder(prefix, 1)
+        holder = self._held(prefix, 1)[0]
         if ranked and holder is not None:
             for i, w in enumerate(ranked):
                 if w.worker_id == holder and w.load <= ranked[0].load + LOAD_SLACK:
@@ -93,6 +85,13 @@ class PrefixAware(LeastLoaded):
             self.owner.move_to_end(h)
         while len(self.owner) > self.capacity:
             self.owner.popitem(last=False)
+
+
+def _saved(worker: WorkerRecord, held: tuple[str | None, int], prompt_tokens: int) -> int:
+    """Prompt tokens `worker` finds cached, if it is the holder of `held` (holder, blocks deep)."""
+    holder, depth = held
+    # The engine always computes the last prompt token (it yields the first output token).
+    return min(depth * worker.block_size, max(prompt_tokens - 1, 0)) if holder == worker.worker_id else 0
 
 
 POLICIES: dict[str, type] = {"least_loaded": LeastLoaded, "prefix_aware": PrefixAware}

@@ -23,7 +23,6 @@ class RayCluster:
         self.http_address = ""
         self.control_address = ""
         self._own_ray = False
-        self._embedded = True
         self.name = f"pdserve-{uuid.uuid4().hex[:8]}"  # prefix of every actor of this cluster
         self._secret: Path | None = None  # the token file this launcher wrote (removed on stop)
 
@@ -48,7 +47,6 @@ class RayCluster:
         from pdserve.launch.actors import RouterActor
         from pdserve.launch.placement import on_this_node
 
-        self._embedded = not joining
         if not ray.is_initialized():
             r = self.cfg.ray
             # Ray's own convention: RAY_ADDRESS names a running cluster to join.
@@ -69,7 +67,7 @@ class RayCluster:
         ClusterIdentity.from_config(self.cfg.security)  # fail here, not inside an actor, when certs are missing
         cfg = self.cfg.model_dump()
         # Joining a cluster, the router stays on this node: its address is the one printed here.
-        where = on_this_node() if not self._embedded else {}
+        where = on_this_node() if joining else {}
         self.router = RouterActor.options(name=f"{self.name}-router", **where).remote(cfg, self.name)
         self.address = ray.get(self.router.address.remote(120.0), timeout=180)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=60)
