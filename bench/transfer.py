@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,13 @@ OUT = Path(__file__).resolve().parent / "out"
 SIZES_MIB = [1, 16, 256]
 BLOCK_SHAPE = (8, 2, 16, 4, 64)  # layers, K/V, block_size, kv_heads, head_dim of the 50M model
 BLOCK_SIZE = 16
+
+def _frame_bytes() -> int:
+    """The frame size the cluster ships with (transfer.max_frame_bytes), unless overridden to compare."""
+    from pdcommon.config import TransferSection
+
+    return int(os.environ.get("PDSERVE_BENCH_FRAME_BYTES", 0)) or TransferSection().max_frame_bytes
+
 
 
 def make_pool(num_blocks: int, fill: bool):
@@ -239,7 +247,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     from engine import KVExport
     from engine.hashing import hash_blocks
     from prefill_worker.kv_export import pack_export
-    from transfer import TransferState, make_sender
+    from transfer import SenderLoop, TransferState, make_sender
 
     max_blocks = max(sizes) * (1 << 20) // (4 * 8 * 2 * 16 * 4 * 64)
     kv = make_pool(max_blocks, fill=True)
@@ -297,6 +305,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     tls = tls_credentials(certs_dir)
     sender = make_sender(transport, curve=variant == "curve", channel_credentials=tls.get("channel_credentials"),
                          channel_options=tls.get("channel_options"))
+    shipper = SenderLoop(sender)
     modes = ("off", "token") if variant == "plain" else ("token",)
     export_times: dict[str, float] = {}
     totals: dict[str, float] = {}
@@ -308,15 +317,13 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
             rid = f"{transport}-{variant}-{mode}-{size}-{r}"
             toks = tokens_for(rid, n)
             t0 = time.perf_counter()
-            frames, counts = kv.frames(list(range(n)), 16 << 20)
+            frames, counts = kv.frames(list(range(n)), _frame_bytes())
             exp = KVExport(rid, toks, kv.layout, 0, hash_blocks(toks, BLOCK_SIZE), frames, counts, 0, 0.0)
             header, frames = pack_export(exp, attempt=0)
             t1 = time.perf_counter()
-            handle = sender.send(addrs[mode], header, frames, timeout_s=120, key=transfer_key(rid),
-                                 peer_key=peer_key)
-            while not handle.done:
-                sender.poll()
-                time.sleep(0.0002)
+            # Through the prefill worker's own path: its sender thread sends and sleeps until the ack.
+            handle = shipper.send(addrs[mode], header, frames, timeout_s=120, key=transfer_key(rid),
+                                  peer_key=peer_key).result()
             if handle.state is not TransferState.DONE:
                 raise RuntimeError(f"{rid}: {handle.error}")
             export_times[rid] = t1 - t0
@@ -324,6 +331,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     ctrl_q.put("stop")
     recv = result_q.get(timeout=60)
     proc.join(30)
+    shipper.close()
     sender.close()
     for size, mode in ((s, m) for s in sizes for m in modes):
         n = size * (1 << 20) // block_nbytes
@@ -383,14 +391,37 @@ def ttft_split(quick: bool) -> list[dict]:
         for n in (128, 2048):
             samples = []
             for r in range(2 if quick else 4):
-                out = client.generate(make_request(random_prompt(n, seed=1000 * n + r), max_tokens=4), timeout=300)
-                t = out.timings
+                arrivals, t, usage = _stream_times(client, make_request(random_prompt(n, seed=1000 * n + r),
+                                                                        max_tokens=16, ignore_eos=True))
+                gaps = sorted(b - a for a, b in zip(arrivals[1:], arrivals[2:], strict=False))
+                itl = gaps[len(gaps) // 2]  # tokens 3.. : decode in its steady state
                 samples.append({"queue": t["queue"], "prefill": t["prefill"],
                                 "first_token": max(t["ttft"] - t["queue"] - t["prefill"], 0.0), "ttft": t["ttft"],
-                                "kv_transfer": t["kv_transfer"], "kv_bytes": out.usage["kv_transfer_bytes"]})
+                                "kv_transfer": t["kv_transfer"], "kv_bytes": usage["kv_transfer_bytes"],
+                                # Issue 10: the KV's trip must not hold up the second token by more
+                                # than two inter-token latencies, as the client sees them.
+                                "client_ttft": arrivals[0], "second_token_gap": arrivals[1] - arrivals[0],
+                                "itl_p50": itl, "second_within_ttft_plus_2itl": arrivals[1] - arrivals[0] <= 2 * itl})
             best = min(samples, key=lambda s: s["ttft"])
             rows.append({"prompt_len": n, **best, "runs": samples})
     return rows
+
+
+def _stream_times(client, request) -> tuple[list[float], dict, dict]:
+    """Arrival time of every token (from the request's start, as the client sees it), with the
+    router's timings and usage from the last message."""
+    from pdcommon.client import fields
+
+    arrivals: list[float] = []
+    t0 = time.perf_counter()
+    timings: dict = {}
+    usage: dict = {}
+    for msg in client.stream(request, timeout=300):
+        now = time.perf_counter() - t0
+        arrivals += [now] * len(msg.token_ids)
+        if msg.finish_reason:
+            timings, usage = fields(msg.timings), fields(msg.usage)
+    return arrivals, timings, usage
 
 
 def main() -> int:
@@ -424,7 +455,9 @@ def main() -> int:
     for r in result["ttft"]:
         print(f"TTFT {r['prompt_len']:5d} tokens: {r['ttft'] * 1e3:7.1f} ms = queue {r['queue'] * 1e3:.1f} + prefill "
               f"{r['prefill'] * 1e3:.1f} + first token {r['first_token'] * 1e3:.1f} ms; KV transfer "
-              f"{r['kv_transfer'] * 1e3:.1f} ms for {r['kv_bytes'] / 2**20:.1f} MiB (after the first token)")
+              f"{r['kv_transfer'] * 1e3:.1f} ms for {r['kv_bytes'] / 2**20:.1f} MiB (after the first token); second "
+              f"token {r['second_token_gap'] * 1e3:.1f} ms after the first, ITL p50 {r['itl_p50'] * 1e3:.1f} ms "
+              f"(within 2 ITL: {r['second_within_ttft_plus_2itl']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"-> {args.out}")

@@ -62,5 +62,9 @@ class KVCache:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only receive buffers: only read from here
             src = torch.frombuffer(buf, dtype=torch.uint8).view(self.data.dtype).view(n, *self.layout.block_shape)
-        for j, bid in enumerate(block_ids):
-            self.data[bid].copy_(src[j])
+        # One copy per run of consecutive destination blocks: a per-block copy costs ~8 us of
+        # dispatch each, which was most of the landing time of a 256 MiB transfer.
+        j = 0
+        for start, count in block_runs(block_ids, n):
+            self.data[start:start + count].copy_(src[j:j + count])
+            j += count

@@ -229,7 +229,7 @@ class LLMEngine:
     def kv_layout(self) -> KVLayout:
         return self.kv.layout
 
-    def export_kv(self, request_id: str, skip_blocks: int = 0, max_frame_bytes: int = 16 << 20) -> KVExport:
+    def export_kv(self, request_id: str, skip_blocks: int = 0, max_frame_bytes: int = 4 << 20) -> KVExport:
         """The prefilled request's KV from block `skip_blocks` on, as frames over its pool blocks;
         they stay valid until `release(request_id)`."""
         seq = self.seqs.get(request_id)

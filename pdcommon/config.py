@@ -121,7 +121,9 @@ class RouterSection(_Strict):
 class TransferSection(_Strict):
     transport: Literal["zmq", "grpc", "fake"] = "zmq"
     timeout_s: float = Field(30.0, gt=0)
-    max_frame_bytes: int = Field(16 << 20, ge=1)
+    # 4 MiB: frames small enough that hashing, the wire and landing overlap (a 16 MiB frame
+    # serialised them), large enough that per-message costs stay small (bench/transfer.py).
+    max_frame_bytes: int = Field(4 << 20, ge=1)
     # Encrypt KV on the wire with ZeroMQ CURVE (zmq transport). Every transfer is authorized by its
     # one-time key either way; CURVE also hides and protects the bytes from someone on the path.
     curve: bool = False

@@ -19,7 +19,7 @@ from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 from pdcommon.worker_runtime import WorkerRuntime
 from prefill_worker.kv_export import pack_export
-from transfer import KVSender, TransferState
+from transfer import KVSender, SenderLoop, TransferState
 
 log = logging.getLogger(__name__)
 
@@ -38,41 +38,29 @@ def _drop(engine: LLMEngine, rid: str) -> None:
 class PrefillService(wrpc.PrefillWorkerServicer):
     def __init__(self, rt: WorkerRuntime, sender: KVSender) -> None:
         self.rt = rt
-        self.sender = sender
+        # The sender runs on a thread of its own: hashing leaves the event loop, and an
+        # acknowledgement wakes the waiting handler at once (no sleep-and-look loop).
+        self.shipper = SenderLoop(sender, name="kv-sender")
         self.bytes_sent = 0
-        # An idle sender is still polled: timeouts fire, and sockets to peers that vanished or
-        # went idle are closed even when no transfer is in flight.
-        self._tidy = asyncio.get_running_loop().create_task(self._housekeeping())
-
-    async def _housekeeping(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            self.sender.poll()
 
     def close(self) -> None:
-        self._tidy.cancel()
+        self.shipper.close()
 
     def gauges(self) -> dict[str, int]:
-        return {"peer_sockets": getattr(self.sender, "num_sockets", 0)}
+        return {"peer_sockets": getattr(self.shipper.sender, "num_sockets", 0)}
 
     async def _ship(self, rid: str, request: wpb.PrefillRequest) -> None:
         loop, eng, tcfg = self.rt.engine_loop, self.rt.engine, self.rt.cfg.transfer
         exp = await loop.call(eng.export_kv, rid, request.skip_blocks, tcfg.max_frame_bytes)
         header, frames = pack_export(exp, request.attempt)
-        handle = self.sender.send(request.decode_transfer_address, header, frames,
-                                  request.transfer_timeout_s or tcfg.timeout_s, key=request.transfer_key,
-                                  peer_key=request.decode_transfer_public_key)
-        delay = 0.0002
+        fut = self.shipper.send(request.decode_transfer_address, header, frames,
+                                request.transfer_timeout_s or tcfg.timeout_s, key=request.transfer_key,
+                                peer_key=request.decode_transfer_public_key)
         try:
-            while not handle.done:
-                self.sender.poll()
-                if handle.done:
-                    break
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.005)
-        finally:
-            if not handle.done:  # cancelled while waiting: stop tracking it
-                self.sender.abandon(handle)
+            handle = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the request was cancelled: stop tracking its transfer
+            self.shipper.abandon(fut)
+            raise
         if handle.state is TransferState.DONE:
             self.bytes_sent += header.total_bytes
         else:

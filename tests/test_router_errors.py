@@ -156,7 +156,7 @@ class CorruptingSender:
 def _corrupt(cluster, n: int) -> None:
     for rt in cluster.runtimes():
         if rt.role == "prefill":
-            rt.service.sender = CorruptingSender(rt.service.sender, n)
+            rt.service.shipper.sender = CorruptingSender(rt.service.shipper.sender, n)
 
 
 def test_corrupt_transfer_is_rejected_then_retried(stories_path):
@@ -218,13 +218,13 @@ def test_lost_transfer_times_out_frees_blocks_and_retries(stories_path):
     with InProcessCluster(cfg) as cl, cl.client() as c:
         for rt in cl.runtimes():
             if rt.role == "prefill":
-                rt.service.sender = DroppingSender(rt.service.sender, 1)
+                rt.service.shipper.sender = DroppingSender(rt.service.shipper.sender, 1)
         t0 = time.monotonic()
         out = c.generate(make_request("Once upon a time there was", max_tokens=10), timeout=30)
         assert out.token_ids == ref["token_ids"] and time.monotonic() - t0 >= 1.0  # the retry after the timeout
         for rt in cl.runtimes():
             if rt.role == "prefill":
-                rt.service.sender = DroppingSender(rt.service.sender.inner, 2)
+                rt.service.shipper.sender = DroppingSender(rt.service.shipper.sender.inner, 2)
         err = rpc_error(c, make_request("Once upon a time there was", max_tokens=10))
         assert err.code() == grpc.StatusCode.UNAVAILABLE and "did not arrive" in err.details()
         cl.wait_idle()

@@ -144,12 +144,15 @@ class RecordingSink:
         self.frames.append((header.request_id, index, bytes(buf)))
 
 
-def test_zmq_streams_frames_into_a_sink():
+@pytest.mark.parametrize("transport,block_nbytes", [("zmq", 8192), ("grpc", 8192),
+                                                     ("grpc", 5 << 20)])  # frames over one gRPC chunk
+def test_frames_stream_into_a_sink(transport, block_nbytes):
     sink = RecordingSink()
-    rx = make_receiver("zmq", host="127.0.0.1", sink=sink)
-    tx = make_sender("zmq")
+    rx = make_receiver(transport, host="127.0.0.1", sink=sink)
+    tx = make_sender(transport)
     try:
-        header, frames = make_payload(n_frames=5, blocks=1, block_nbytes=8192)
+        header, frames = make_payload(n_frames=5 if block_nbytes < (1 << 20) else 2, blocks=1,
+                                      block_nbytes=block_nbytes)
         for info in header.frames:
             info.checksum = 0  # the sender hashes each frame as it goes out
         h = tx.send(rx.address, header, frames, timeout_s=10)
@@ -171,6 +174,18 @@ def test_zmq_streams_frames_into_a_sink():
         assert got[0].error == "refused by the sink" and all(r != "req-2" for r, _, _ in sink.frames)
         got[0].ack(False, got[0].error)
         assert _wait(tx, h2).state is TransferState.FAILED and "refused" in h2.error
+        # A corrupt frame never reaches the sink; the transfer fails with the reason.
+        header3, frames3 = make_payload(n_frames=2, blocks=1, block_nbytes=8192, seed=3)
+        header3.request_id = "req-3"
+        bad = bytearray(frames3[1])
+        bad[7] ^= 1
+        h3 = tx.send(rx.address, header3, [frames3[0], memoryview(bad)], timeout_s=10)
+        got = []
+        while not got:
+            got = rx.poll(0.05)
+        assert "checksum" in got[0].error and [i for r, i, _ in sink.frames if r == "req-3"] == [0]
+        got[0].ack(False, got[0].error)
+        assert _wait(tx, h3).state is TransferState.FAILED
     finally:
         tx.close()
         rx.close()

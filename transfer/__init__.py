@@ -2,6 +2,7 @@
 
 from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState
 from transfer.registry import make_receiver, make_sender, register_transport
+from transfer.sender_loop import SenderLoop
 from transfer.wire import (
     KVHeader,
     TransferError,
@@ -13,6 +14,6 @@ from transfer.wire import (
     verify_layout,
 )
 
-__all__ = ["KVHeader", "KVReceiver", "KVSender", "KVSink", "ReceivedKV", "TransferError", "TransferHandle",
-           "TransferState", "build_header", "checksum", "fill_checksums", "make_receiver", "make_sender",
-           "register_transport", "verify", "verify_frame", "verify_layout"]
+__all__ = ["KVHeader", "KVReceiver", "KVSender", "KVSink", "ReceivedKV", "SenderLoop", "TransferError",
+           "TransferHandle", "TransferState", "build_header", "checksum", "fill_checksums", "make_receiver",
+           "make_sender", "register_transport", "verify", "verify_frame", "verify_layout"]

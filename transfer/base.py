@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import enum
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,9 @@ class KVSink(Protocol):
 
 
 class KVSender(abc.ABC):
+    def __init__(self) -> None:
+        self._wakeup = threading.Event()
+
     @abc.abstractmethod
     def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float,
              key: bytes | None = None, peer_key: str = "") -> TransferHandle:
@@ -99,6 +103,17 @@ class KVSender(abc.ABC):
     def abandon(self, handle: TransferHandle) -> None:
         """The caller no longer waits for this transfer (its request was cancelled)."""
         handle.advance(TransferState.FAILED, "abandoned by the sender")
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until `poll()` may have something to advance, `wake()` is called, or timeout_s
+        passes: what lets a sender thread sleep instead of polling. Transports whose acks come as
+        callbacks call `wake()` from them; socket transports override this with a real wait."""
+        self._wakeup.wait(timeout_s)
+        self._wakeup.clear()
+
+    def wake(self) -> None:
+        """End a `wait()` now (any thread)."""
+        self._wakeup.set()
 
     @abc.abstractmethod
     def close(self) -> None: ...

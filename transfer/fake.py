@@ -30,6 +30,7 @@ class FakeReceiver(KVReceiver):
 
 class FakeSender(KVSender):
     def __init__(self, *_, **__) -> None:
+        super().__init__()
         self.open: list[TransferHandle] = []
 
     def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float,
@@ -43,6 +44,7 @@ class FakeSender(KVSender):
 
         def ack(ok: bool, err: str) -> None:
             handle.advance(TransferState.DONE if ok else TransferState.FAILED, err)
+            self.wake()
 
         raw = header.encode()
         received = KVHeader.decode(raw)

@@ -17,8 +17,16 @@ from concurrent import futures
 import grpc
 import msgpack
 
-from transfer.base import KVReceiver, KVSender, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.wire import KeyLookup, KVHeader, TransferError, authorize, fill_checksums, header_tag
+from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState, drain
+from transfer.wire import (
+    KeyLookup,
+    KVHeader,
+    TransferError,
+    authorize,
+    fill_checksums,
+    header_tag,
+    verify_frame,
+)
 
 METHOD = "/pdserve.v1.KVTransfer/Push"
 CHUNK = 4 << 20
@@ -38,6 +46,7 @@ def _chunks(header: KVHeader, frames: Sequence[memoryview], key: bytes | None) -
 class GrpcSender(KVSender):
     def __init__(self, channel_credentials: grpc.ChannelCredentials | None = None,
                  channel_options: list | None = None) -> None:
+        super().__init__()
         self.channels: dict[str, grpc.Channel] = {}
         self.open: list[tuple[TransferHandle, grpc.Future]] = []
         self.credentials, self.options = channel_credentials, [*_OPTIONS, *(channel_options or [])]
@@ -54,6 +63,7 @@ class GrpcSender(KVSender):
         handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
         fill_checksums(header, frames)  # up front: the header's tag covers every frame's digest
         fut = self._call(dest).future(_chunks(header, frames, key), timeout=timeout_s)
+        fut.add_done_callback(lambda _: self.wake())  # the reply (or error) ends a sender thread's wait
         handle.advance(TransferState.SENT)
         self.open.append((handle, fut))
         return handle
@@ -90,9 +100,11 @@ class GrpcSender(KVSender):
 class GrpcReceiver(KVReceiver):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  ack_timeout_s: float = 60.0, keys: KeyLookup | None = None,
-                 server_credentials: grpc.ServerCredentials | None = None) -> None:
+                 server_credentials: grpc.ServerCredentials | None = None, sink: KVSink | None = None) -> None:
+        """With a `sink`, each frame is checked and handed over as it arrives, from the chunk
+        gRPC already holds (no reassembly copy when a frame fits one chunk)."""
         self._queue: queue.Queue[ReceivedKV] = queue.Queue()
-        self.keys = keys
+        self.keys, self.sink = keys, sink
         self.ack_timeout_s = ack_timeout_s
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
         handler = grpc.method_handlers_generic_handler(
@@ -110,22 +122,30 @@ class GrpcReceiver(KVReceiver):
             header = KVHeader.decode(raw)
             rid = header.request_id
             authorize(self.keys, header, raw, next(request_iterator))  # before any frame byte is read
-            frames: list[memoryview] = []
-            for info in header.frames:
-                buf = bytearray(info.nbytes)
-                filled = 0
-                while filled < info.nbytes:
-                    chunk = next(request_iterator)
-                    buf[filled:filled + len(chunk)] = chunk
-                    filled += len(chunk)
-                frames.append(memoryview(buf))
-            extra = next(request_iterator, None)
-            if extra is not None:
-                raise TransferError(f"{rid}: more data than the header announces")
         except StopIteration:
             return msgpack.packb({"rid": rid, "ok": False, "err": f"{rid}: stream ended early (truncated)"})
         except (TransferError, ValueError) as e:
             return msgpack.packb({"rid": rid, "ok": False, "err": str(e)})
+        frames: list[memoryview] = []
+        error = ""
+        try:
+            if self.sink is not None:
+                self.sink.open(header)
+            for index, info in enumerate(header.frames):
+                buf = _read_frame(request_iterator, info.nbytes)
+                if self.sink is None:
+                    frames.append(buf)
+                else:
+                    verify_frame(header, index, buf)
+                    self.sink.frame(header, index, buf)
+            if next(request_iterator, None) is not None:
+                raise TransferError(f"{rid}: more data than the header announces")
+        except StopIteration:
+            error = f"{rid}: stream ended early (truncated)"
+        except (TransferError, ValueError) as e:
+            error = str(e)
+        if error and self.sink is None:
+            return msgpack.packb({"rid": rid, "ok": False, "err": error})
         done = threading.Event()
         result: dict = {}
 
@@ -133,7 +153,8 @@ class GrpcReceiver(KVReceiver):
             result.update(ok=ok, err=err)
             done.set()
 
-        self._queue.put(ReceivedKV(header, frames, ack))
+        # Landed already (with a sink), or whole for the owner to check: the owner acks either way.
+        self._queue.put(ReceivedKV(header, frames, ack, landed=self.sink is not None, error=error))
         if not done.wait(self.ack_timeout_s):
             return msgpack.packb({"rid": rid, "ok": False, "err": "receiver did not process the transfer in time"})
         return msgpack.packb({"rid": rid, **result})
@@ -143,3 +164,23 @@ class GrpcReceiver(KVReceiver):
 
     def close(self) -> None:
         self.server.stop(grace=0)
+
+
+def _read_frame(chunks: Iterator[bytes], nbytes: int) -> memoryview:
+    """One frame's bytes: the chunk itself when the frame fits one (no copy), else reassembled."""
+    if nbytes == 0:
+        return memoryview(b"")
+    first = next(chunks)
+    if len(first) == nbytes:
+        return memoryview(first)
+    buf = bytearray(nbytes)
+    filled = 0
+    chunk = first
+    while True:
+        if filled + len(chunk) > nbytes:
+            raise TransferError(f"a chunk runs past its frame's {nbytes} bytes")
+        buf[filled:filled + len(chunk)] = chunk
+        filled += len(chunk)
+        if filled == nbytes:
+            return memoryview(buf)
+        chunk = next(chunks)

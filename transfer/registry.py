@@ -37,7 +37,7 @@ def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_h
                   sink: KVSink | None = None, partial_timeout_s: float | None = None,
                   max_frame_bytes: int | None = None, keys: KeyLookup | None = None, curve: bool = False,
                   max_per_peer: int | None = None, server_credentials=None) -> KVReceiver:
-    """`sink` is used by transports that stream frames (zmq); the others deliver whole transfers.
+    """`sink` is used by transports that stream frames (zmq, grpc); the others deliver whole transfers.
     `partial_timeout_s`: how long a streaming receiver keeps a transfer whose frames stopped.
     `keys`: the transfer key of a header's reservation; with it, unsigned KV is refused."""
     kwargs: dict = {"keys": keys}
@@ -47,7 +47,7 @@ def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_h
         if max_frame_bytes is not None:
             kwargs["max_message_bytes"] = max_frame_bytes + (1 << 20)
     elif name == "grpc":
-        kwargs["server_credentials"] = server_credentials
+        kwargs.update(server_credentials=server_credentials, sink=sink)
     return _lookup(name)[1](host=host, port=port, advertise_host=advertise_host, **kwargs)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import hmac
 import itertools
+import os
 import struct
 import threading
 import time
@@ -63,6 +64,7 @@ def tcp_address(host: str, port: int) -> str:
 
 class ZmqSender(KVSender):
     def __init__(self, hwm: int = DEFAULT_HWM, context: zmq.Context | None = None, curve: bool = False) -> None:
+        super().__init__()
         self.ctx = context or zmq.Context()
         # CURVE: this sender's own keypair (the receiver accepts any client: the transfer key, not
         # the connection, says who may write a reservation).
@@ -74,6 +76,11 @@ class ZmqSender(KVSender):
         self.last_used: dict[str, float] = {}
         self.open: dict[str, TransferHandle] = {}  # transfer id -> handle
         self._ids = itertools.count()
+        # wake() writes a byte here; wait() polls it beside the peer sockets.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller: zmq.Poller | None = None  # over the peer sockets and the wake pipe; rebuilt when they change
 
     def _socket(self, dest: str, peer_key: str = "") -> zmq.Socket:
         self.last_used[dest] = time.monotonic()
@@ -91,7 +98,26 @@ class ZmqSender(KVSender):
             self.monitors[dest] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sock.connect(dest if "://" in dest else f"tcp://{dest}")
             self.sockets[dest] = sock
+            self._poller = None
         return sock
+
+    def wait(self, timeout_s: float) -> None:
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            self._poller.register(self._wake_r, zmq.POLLIN)
+            for sock in self.sockets.values():
+                self._poller.register(sock, zmq.POLLIN)
+        if self._poller.poll(max(int(timeout_s * 1000), 0)):
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"w")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
 
     def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float,
              key: bytes | None = None, peer_key: str = "") -> TransferHandle:
@@ -173,6 +199,7 @@ class ZmqSender(KVSender):
                 self.open.pop(key)
         sock, mon = self.sockets.pop(dest, None), self.monitors.pop(dest, None)
         self.last_used.pop(dest, None)
+        self._poller = None
         if sock is not None:
             sock.disable_monitor()
             sock.close(linger=0)
@@ -190,6 +217,10 @@ class ZmqSender(KVSender):
     def close(self) -> None:
         for dest in list(self.sockets):
             self._drop_socket(dest)
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
         if self._own_ctx:
             self.ctx.term()
 
