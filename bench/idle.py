@@ -45,6 +45,20 @@ def ray_daemons() -> dict[str, int]:
     return out
 
 
+def _empty_actor_pid() -> int:
+    import os
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Empty:
+        def pid(self) -> int:
+            return os.getpid()
+
+    _empty_actor_pid.actor = Empty.remote()  # kept alive until the cluster stops
+    return ray.get(_empty_actor_pid.actor.pid.remote(), timeout=60)
+
+
 def standalone(seconds: float, settle: float) -> dict[str, float]:
     """The same cluster as three `pdserve` processes (no Ray): percent of a core each."""
     import os
@@ -98,18 +112,26 @@ def main() -> int:
     with RayCluster(cfg) as cluster:
         ours = {"router": cluster.router_pid(), **cluster.worker_pids()}
         ray = ray_daemons()
+        # Every actor process also runs Ray's core worker (its own threads and timers): an actor
+        # that does nothing, measured beside ours, is that per-process floor.
+        ours["empty_ray_actor"] = _empty_actor_pid()
         time.sleep(args.settle)
         a, ra = cpu_seconds(ours), cpu_seconds(ray)
         time.sleep(args.seconds)
         b, rb = cpu_seconds(ours), cpu_seconds(ray)
     per = {k: 100 * (b[k] - a[k]) / args.seconds for k in a if k in b}
+    floor = per.pop("empty_ray_actor")
     ray_per = {k: 100 * (rb[k] - ra[k]) / args.seconds for k in ra if k in rb}
     alone = standalone(args.seconds, args.settle)
     result = {"seconds": args.seconds, "pdserve_percent_of_a_core": per, "pdserve_total": sum(per.values()),
               "ray_percent_of_a_core": ray_per, "ray_total": sum(ray_per.values()),
+              "empty_ray_actor_percent": floor,
+              "pdserve_total_less_ray_actor_floor": sum(per.values()) - floor * len(per),
               "standalone_percent_of_a_core": alone, "standalone_total": sum(alone.values())}
     for k, v in per.items():
         print(f"{k:12s} {v:5.2f}% of a core")
+    print(f"an empty Ray actor: {floor:.2f}% (Ray's core worker in every actor process); pdserve less that floor "
+          f"per process: {result['pdserve_total_less_ray_actor_floor']:.2f}%")
     print(f"pdserve total {result['pdserve_total']:.2f}% as Ray actors (Ray's daemons {result['ray_total']:.2f}%), "
           f"{result['standalone_total']:.2f}% as standalone processes "
           + ", ".join(f"{k} {v:.2f}%" for k, v in alone.items()))

@@ -234,6 +234,14 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, cu
         rx.close()
 
 
+def _cpu_s(child_pid: int) -> float:
+    """CPU seconds (user + system, every thread) of this process and the receiver's: on two cores,
+    a transfer whose ZeroMQ I/O threads already keep both cores busy pays for every byte touched."""
+    import psutil
+
+    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in (os.getpid(), child_pid))
+
+
 def _reps(mib: int, reps: int) -> int:
     """More repetitions for small transfers: a 1 MiB transfer takes about a millisecond, and the
     best of a few is still mostly noise."""
@@ -284,6 +292,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
             whole = kv.frames(list(range(n)), 1 << 40)[0][0]
             parts = [whole[i:i + frame_bytes] for i in range(0, whole.nbytes, frame_bytes)]
             best = float("inf")
+            cpu0 = _cpu_s(proc.pid)
             # The baseline is the better of one message and one message per 16 MiB frame (ours).
             for r in range(2 * reps + 2):
                 t0 = time.perf_counter()
@@ -298,7 +307,8 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                 if r >= 2:  # the first of each kind warms the connection
                     best = min(best, time.perf_counter() - t0)
             rows.append({"transport": "raw_zmq", "mib": size, "seconds": best,
-                         "gb_per_s": n * block_nbytes / best / 1e9})
+                         "gb_per_s": n * block_nbytes / best / 1e9,
+                         "cpu_ms_per_transfer": 1e3 * (_cpu_s(proc.pid) - cpu0) / (2 * reps + 2)})
         push.send_multipart([b"stop"])
         proc.join(30)
         return rows
@@ -308,11 +318,13 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     shipper = SenderLoop(sender)
     modes = ("off", "token") if variant == "plain" else ("token",)
     export_times: dict[str, float] = {}
+    cpu_ms: dict[int, float] = {}  # both processes' CPU per transfer, all modes of a size together
     totals: dict[str, float] = {}
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
         # Interleaved, in alternating order: both modes see the same noise, neither always goes first.
         order = [(r, m) for r in range(_reps(size, reps) + 1) for m in (modes if r % 2 else modes[::-1])]
+        cpu0 = _cpu_s(proc.pid)
         for r, mode in order:
             rid = f"{transport}-{variant}-{mode}-{size}-{r}"
             toks = tokens_for(rid, n)
@@ -328,6 +340,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                 raise RuntimeError(f"{rid}: {handle.error}")
             export_times[rid] = t1 - t0
             totals[rid] = time.perf_counter() - t0
+        cpu_ms[size] = 1e3 * (_cpu_s(proc.pid) - cpu0) / len(order)
     ctrl_q.put("stop")
     recv = result_q.get(timeout=60)
     proc.join(30)
@@ -342,7 +355,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
         streamed = recv[rid].get("streamed", False)
         security = {"plain": mode, "curve": "token+curve", "tls": "token+mtls"}[variant]
         rows.append({"transport": transport, "security": security, "mib": size, "seconds": t,
-                     "gb_per_s": n * block_nbytes / t / 1e9, "streamed": streamed,
+                     "gb_per_s": n * block_nbytes / t / 1e9, "streamed": streamed, "cpu_ms_per_transfer": cpu_ms[size],
                      # Streamed (zmq): checksums and landing overlap the wire, so the parts overlap too.
                      "breakdown_s": {"pack": export_times[rid], "check_and_land": land,
                                      "wire_and_ack": t - export_times[rid] - (0.0 if streamed else land)}})
@@ -444,6 +457,7 @@ def main() -> int:
         print(f"{r['transport']:8s} {r.get('security', ''):11s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
               f"({100 * r['vs_raw_zmq']:5.1f}% of raw zmq"
               + (f", {100 * r['vs_raw_grpc']:5.1f}% of raw grpc)" if "vs_raw_grpc" in r else ")")
+              + (f"  CPU {r['cpu_ms_per_transfer']:.1f} ms" if "cpu_ms_per_transfer" in r else "")
               + (f"  pack {r['breakdown_s']['pack'] * 1e3:.1f} ms, wire+ack "
                  f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "
                  f"{r['breakdown_s']['check_and_land'] * 1e3:.1f} ms" if "breakdown_s" in r else ""))
