@@ -173,9 +173,11 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                 finished = msg.HasField("tokens") and bool(msg.tokens.finish_reason) \
                     or msg.HasField("first") and bool(msg.first.finish_reason)
             while not finished:
-                out = await q.get()
-                finished = out.finished
-                yield wpb.DecodeResponse(tokens=tokens_to_proto(out))
+                outs = [await q.get()]
+                while not outs[-1].finished and not q.empty():  # the engine got ahead: send what is ready
+                    outs.append(q.get_nowait())
+                finished = outs[-1].finished
+                yield wpb.DecodeResponse(tokens=tokens_to_proto(outs))
         finally:
             self.pending.pop(rid, None)
             loop.close_stream(rid, q)
@@ -211,7 +213,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                                                              text=final.text_delta, **kv))
             return
         out = await q.get()
-        yield wpb.DecodeResponse(tokens=tokens_to_proto(out, **kv))
+        yield wpb.DecodeResponse(tokens=tokens_to_proto([out], **kv))
 
     def gauges(self) -> dict[str, int]:
         return {"partial_transfers": getattr(self.receiver, "num_partial", 0)}

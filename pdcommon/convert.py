@@ -54,10 +54,20 @@ def first_token_to_proto(out: RequestOutput, prefill_s: float) -> wpb.FirstToken
                           prefill_s=prefill_s)
 
 
-def tokens_to_proto(out: RequestOutput, **extra) -> wpb.DecodeTokens:
-    return wpb.DecodeTokens(token_ids=out.new_token_ids, text=out.text_delta, logprobs=out.new_logprobs,
-                            top_logprobs=top_to_proto(out.new_top_logprobs) if any(out.new_top_logprobs) else [],
-                            finish_reason=out.finish_reason or "", **extra)
+def tokens_to_proto(outs: list[RequestOutput], **extra) -> wpb.DecodeTokens:
+    """One message for consecutive outputs of a request (the last may finish it): a stream that
+    fell behind its engine catches up in one message, not one per step."""
+    last = outs[-1]
+    if len(outs) == 1:
+        ids, text, lps, tops = last.new_token_ids, last.text_delta, last.new_logprobs, last.new_top_logprobs
+    else:
+        ids = [t for o in outs for t in o.new_token_ids]
+        lps = [lp for o in outs for lp in o.new_logprobs]
+        tops = [tp for o in outs for tp in o.new_top_logprobs]
+        text = "".join(o.text_delta for o in outs)
+    return wpb.DecodeTokens(token_ids=ids, text=text, logprobs=lps,
+                            top_logprobs=top_to_proto(tops) if any(tops) else [],
+                            finish_reason=last.finish_reason or "", **extra)
 
 
 def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:

@@ -142,6 +142,32 @@ def test_prefill_queueing_model_counts_waiting():
     assert pm.prefill_attainment(4, 1.01 * 4 / s, t) == 0.0  # cannot keep up
 
 
+def test_requests_too_big_for_a_worker_are_out_of_the_queue_and_count_as_misses():
+    """The router refuses a request whose KV does not fit a worker: it never queues for prefill,
+    so it must not size the pool (2% of 100k-token prompts made the mean prefill 1.6x what the
+    served ones need on the Mooncake trace), and it never meets its SLOs."""
+    sample = [Arrival(2048, 64)] * 98 + [Arrival(120_000, 64)] * 2
+    slos = Slos(None, None, 3.0, 2.0)
+    blind, seeing = PoolModel(profile(), slos, 2048), PoolModel(profile(), slos, 2048, max_kv_tokens=65536)
+    tb, ts = blind.terms(sample), seeing.terms(sample)
+    assert ts.kept == 0.98 and ts.service_mean < 0.5 * tb.service_mean
+    rate = 2.0
+    assert seeing.prefill_workers(rate, ts, 0.9) < 0.5 * blind.prefill_workers(rate, tb, 0.9)
+    assert seeing.prefill_reachable(ts) <= 0.98 and seeing.prefill_attainment(1000, rate, ts) <= 0.98
+    assert seeing.decode_attainment(1000, rate, ts) <= 0.98
+
+
+def test_decode_kv_counts_reservations_held_through_the_prefill():
+    """The router reserves a request's decode KV before its prefill starts: with long prefills
+    the pool holds more reservations than sequences decoding, and KV runs out sooner."""
+    pm = PoolModel(profile(), Slos(None, None, 3.0, 2.0), 2048, max_kv_tokens=65536)
+    t = pm.terms([Arrival(8000, 100)] * 50)
+    assert pm.decode_attainment(4, 1.0, t) > 0.5
+    pm.hold_s = 20.0  # each reservation also waits out a 20 s prefill: ~5 more per worker
+    assert pm.decode_attainment(4, 1.0, t) == 0.0
+    assert pm.decode_workers(1.0, t, 0.9) > 4
+
+
 def test_forecasters():
     c, t = Constant(), Trend()
     for i in range(10):

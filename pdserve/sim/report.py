@@ -10,13 +10,17 @@ from pdserve.sim.cluster import SimResult, percentile, worker_hours
 OSCILLATION_WINDOW_S = 600.0
 
 
+def met_ttft(req) -> bool:
+    return req.finish is not None and req.first - req.arrival <= req.ttft_slo
+
+
+def met_tpot(req) -> bool:
+    return req.finish is not None and (req.output_len <= 1
+                                       or (req.finish - req.first) / (req.output_len - 1) <= req.tpot_slo)
+
+
 def met(req) -> bool:
-    if req.finish is None:
-        return False
-    ttft = req.first - req.arrival
-    if ttft > req.ttft_slo:
-        return False
-    return req.output_len <= 1 or (req.finish - req.first) / (req.output_len - 1) <= req.tpot_slo
+    return met_ttft(req) and met_tpot(req)
 
 
 def summarize(result: SimResult, max_profiled_tokens: int) -> dict:
@@ -33,6 +37,9 @@ def summarize(result: SimResult, max_profiled_tokens: int) -> dict:
         "unfinished": n - len(done),
         "rejected": sum(r.rejected for r in reqs),
         "attainment": good / n if n else 0.0,
+        # Each SLO alone: which pool the misses come from.
+        "ttft_attainment": sum(met_ttft(r) for r in reqs) / n if n else 0.0,
+        "tpot_attainment": sum(met_tpot(r) for r in reqs) / n if n else 0.0,
         "goodput": good / span,
         "throughput": len(done) / span,
         "worker_hours": worker_hours(result),

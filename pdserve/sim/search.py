@@ -41,8 +41,10 @@ def scale_trace(reqs: list[TraceRequest], factor: float, seed: int = 0) -> list[
 
 
 def pool_model(settings: SimSettings) -> tuple[PoolModel, PoolModel]:
-    return (PoolModel(settings.profile, settings.slos, settings.budget),
-            PoolModel(settings.decode_profile or settings.profile, settings.slos, settings.budget))
+    decode = settings.decode_profile or settings.profile
+    max_kv = decode.kv_capacity_tokens
+    return (PoolModel(settings.profile, settings.slos, settings.budget, max_kv_tokens=max_kv),
+            PoolModel(decode, settings.slos, settings.budget, max_kv_tokens=max_kv))
 
 
 def busy_rate(reqs: list[TraceRequest], window_s: float = 60.0, q: float = 0.9) -> float:
@@ -65,6 +67,7 @@ def sized_split(reqs: list[TraceRequest], settings: SimSettings, target: float) 
     sample = [Arrival(r.prompt_len, r.output_len) for r in random.Random(0).sample(reqs, min(len(reqs), 2048))]
     pm, dm = pool_model(settings)
     per_pool = 1 - (1 - target) / 2
+    dm.hold_s = pm.terms(sample).service_mean  # decode KV is reserved before the prefill
     if settings.mode == "colocated":
         p = pm.prefill_workers(rate, pm.terms(sample), per_pool)
         d = dm.decode_workers(rate, dm.terms(sample), per_pool)

@@ -77,6 +77,13 @@ class Terms:
     kv_tokens: float  # KV reservation of a batch resident: prompt + output, weighed by output
     service_mean: float
     service_cv2: float  # squared coefficient of variation of the prefill time
+    # The share of the sample a worker can hold at all (prompt + output within the KV capacity):
+    # the router refuses the rest, so they never reach a queue, and they count as misses.
+    kept: float = 1.0
+    # The context of a batch neighbour, as NEIGHBOURS equally likely values (output-weighted
+    # quantiles): a short request beside one 60k-token context misses a TPOT SLO that the mean
+    # neighbour lets it meet, and long-context traces are heavy-tailed.
+    neighbours: list[float] = field(default_factory=list)
     _rooms: dict = field(default_factory=dict)
 
     def rooms(self, profile: StepCostModel, correction: float) -> list[float]:
@@ -97,6 +104,13 @@ class PoolModel:
     profile: StepCostModel
     slos: Slos
     chunk: int | None = None  # the prefill pool's token budget (None: a prompt in one step)
+    # KV tokens a worker can reserve for one request (the decode pool's capacity): bigger ones
+    # are refused by the router. Left in the sample, a trace's 2% of 100k-token prompts made the
+    # mean prefill time 1.6x what the served ones need, and the prefill pool as much too big.
+    max_kv_tokens: int | None = None
+    # Seconds a decode reservation is held before its sequence decodes (the router reserves the
+    # KV before the prefill starts): the prefill pool's mean service time, set by the planner.
+    hold_s: float = 0.0
     arrival_cv2: float = 1.0
     memo: dict = field(default_factory=dict)
 
@@ -118,6 +132,10 @@ class PoolModel:
         return got
 
     def terms(self, sample: Sequence[Arrival]) -> Terms:
+        n = len(sample)
+        if self.max_kv_tokens:
+            sample = [a for a in sample if a.prompt_len + a.output_len <= self.max_kv_tokens]
+        kept = len(sample) / n if n else 1.0
         rows = [self._request_terms(a) for a in sample]
         service = [r[0] for r in rows]
         mean = statistics.fmean(service) if service else 0.0
@@ -130,24 +148,28 @@ class PoolModel:
                      context=round(_resident_mean([a.prompt_len + a.output_len / 2 for a in sample], sample)),
                      kv_tokens=_resident_mean([a.prompt_len + a.output_len for a in sample], sample),
                      service_mean=mean,
-                     service_cv2=statistics.pvariance(service) / (mean * mean) if mean > 0 else 0.0)
+                     service_cv2=statistics.pvariance(service) / (mean * mean) if mean > 0 else 0.0,
+                     kept=kept, neighbours=_weighted_points([a.prompt_len + a.output_len / 2 for a in sample],
+                                                            [max(a.output_len, 1) for a in sample]))
 
     # ---- prefill --------------------------------------------------------------------------
     def prefill_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
         if not t.service:
-            return 1.0
+            return t.kept
         mean = correction * t.service_mean
-        a = rate * mean
+        a = rate * t.kept * mean  # the refused never queue
         if a >= workers:
             return 0.0
         wait = erlang_c(workers, a)
         theta = (workers - a) / mean / max((self.arrival_cv2 + t.service_cv2) / 2, 1e-3)
-        return sum(1 - wait * math.exp(-theta * (slo - correction * s))
-                   for s, slo in zip(t.service, t.ttft_slo, strict=True) if slo >= correction * s) / len(t.service)
+        return t.kept * sum(1 - wait * math.exp(-theta * (slo - correction * s))
+                            for s, slo in zip(t.service, t.ttft_slo, strict=True)
+                            if slo >= correction * s) / len(t.service)
 
     def prefill_reachable(self, t: Terms, correction: float = 1.0) -> float:
         """The share that meets its TTFT SLO with no wait at all: what any pool size can reach."""
-        return sum(slo >= correction * s for s, slo in zip(t.service, t.ttft_slo, strict=True)) / max(len(t.service), 1)
+        return t.kept * sum(slo >= correction * s
+                            for s, slo in zip(t.service, t.ttft_slo, strict=True)) / max(len(t.service), 1)
 
     def prefill_workers(self, rate: float, t: Terms, target: float, correction: float = 1.0,
                         limit: int = 100_000, trust: bool = True) -> int:
@@ -157,7 +179,7 @@ class PoolModel:
             return 1
         reachable = self.prefill_reachable(t, correction)
         goal = min(target * reachable, reachable - REACH_MARGIN)  # never chase the last of what is reachable
-        low = max(1, math.floor(rate * correction * t.service_mean) + 1)  # fewer cannot keep up
+        low = max(1, math.floor(rate * t.kept * correction * t.service_mean) + 1)  # fewer cannot keep up
         return _fewest(_enough(lambda c: self.prefill_attainment(c, rate, t, correction), goal, trust), low, limit)
 
     # ---- decode ---------------------------------------------------------------------------
@@ -167,7 +189,7 @@ class PoolModel:
         b = 0.0
         cap = (self.profile.kv_capacity_tokens or 1 << 30) / max(t.kv_tokens, 1.0)
         for _ in range(8):
-            b = min(rate * t.mean_output * itl / workers, 2 * cap)  # past the KV it diverges: stop there
+            b = min(rate * t.kept * t.mean_output * itl / workers, 2 * cap)  # past the KV it diverges: stop there
             itl = correction * self.profile.itl_seconds(max(1, round(b)), t.context)
         return b, itl
 
@@ -179,10 +201,11 @@ class PoolModel:
         TPOT is the ITL at that batch plus its KV transfer spread over its output (the first
         decoded token waits for the KV)."""
         if not t.outputs or rate <= 0:
-            return 1.0
+            return t.kept
         b, _ = self.decode_batch(workers, rate, t, correction)
         cap = self.profile.kv_capacity_tokens
-        if cap and (b + normal_quantile(0.99) * math.sqrt(b)) * t.kv_tokens > cap:
+        held = b + rate * t.kept * self.hold_s / workers  # decoding, and reserved while prefilling
+        if cap and (held + normal_quantile(0.99) * math.sqrt(held)) * t.kv_tokens > cap:
             return 0.0  # the reservations do not fit: requests wait in the router queue
         total = b * workers
         if total > 100:  # the pool's count is about normal: 32 equal-mass points
@@ -200,9 +223,12 @@ class PoolModel:
         """The share of the sample whose TPOT meets its SLO at this (time-averaged) batch: the
         step's cost but for the request's own context's attention, within its room."""
         p = self.profile
-        rest = p.tokens_cost(batch) + p.sequence_s * batch + p.decode_attention_s * (batch - 1) * t.context
+        base = p.tokens_cost(batch) + p.sequence_s * batch
         rooms = t.rooms(p, correction)
-        return (t.single + len(rooms) - bisect.bisect_left(rooms, rest)) / len(t.outputs)
+        points = t.neighbours if batch > 1.0 and t.neighbours else [float(t.context)]
+        met = statistics.fmean(len(rooms) - bisect.bisect_left(rooms, base + p.decode_attention_s * (batch - 1) * ctx)
+                               for ctx in points)
+        return t.kept * (t.single + met) / len(t.outputs)
 
     def decode_workers(self, rate: float, t: Terms, target: float, correction: float = 1.0,
                        limit: int = 100_000, trust: bool = True) -> int:
@@ -213,6 +239,25 @@ class PoolModel:
         reachable = self._meets(1.0, t, correction)
         goal = min(target * reachable, reachable - REACH_MARGIN)
         return _fewest(_enough(lambda d: self.decode_attainment(d, rate, t, correction), goal, trust), 1, limit)
+
+
+NEIGHBOURS = 8
+
+
+def _weighted_points(values: list[float], weights: list[int], n: int = NEIGHBOURS) -> list[float]:
+    """n equally likely values of a weighted distribution: its quantiles at (i + 0.5) / n."""
+    if not values:
+        return []
+    pairs = sorted(zip(values, weights, strict=True))
+    total = sum(weights)
+    out, acc, i = [], 0.0, 0
+    for k in range(n):
+        q = (k + 0.5) / n * total
+        while i < len(pairs) - 1 and acc + pairs[i][1] < q:
+            acc += pairs[i][1]
+            i += 1
+        out.append(float(pairs[i][0]))
+    return out
 
 
 def _resident_mean(values: list[float], sample: Sequence[Arrival]) -> float:
