@@ -19,6 +19,7 @@ from engine import InvalidRequestError, KVReservation, LLMEngine, SamplingParams
 from engine.llm_engine import KVImportError
 from pdcommon.convert import first_token_to_proto, params_from_proto, tokens_to_proto
 from pdcommon.grpc_server import add_service
+from pdcommon.priority import lower_thread_priority
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 from pdcommon.worker_runtime import WorkerRuntime
@@ -52,6 +53,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
 
     # ---- receiving (its own thread: checks and copies never stall the decode loop) --------------
     def _receive_loop(self) -> None:
+        lower_thread_priority(self.rt.cfg.process.io_nice)  # checks and copies give way to the engine
         while not self._stop.is_set():
             try:
                 # Wakes as soon as KV arrives; the timeout only paces expiry of stalled transfers

@@ -15,6 +15,7 @@ from engine import InvalidRequestError, LLMEngine
 from engine.sequence import SequenceStatus
 from pdcommon.convert import first_token_to_proto, params_from_proto
 from pdcommon.grpc_server import add_service
+from pdcommon.priority import lower_thread_priority
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 from pdcommon.worker_runtime import WorkerRuntime
@@ -40,7 +41,8 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         self.rt = rt
         # The sender runs on a thread of its own: hashing leaves the event loop, and an
         # acknowledgement wakes the waiting handler at once (no sleep-and-look loop).
-        self.shipper = SenderLoop(sender, name="kv-sender")
+        self.shipper = SenderLoop(sender, name="kv-sender",
+                                  on_start=lambda: lower_thread_priority(rt.cfg.process.io_nice))
         self.bytes_sent = 0
 
     def close(self) -> None:

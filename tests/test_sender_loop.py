@@ -107,3 +107,16 @@ def test_abandon_stops_tracking_the_transfer():
         assert fut.cancelled() and loop.in_flight == 0
     finally:
         loop.close()
+
+
+def test_on_start_runs_first_on_the_senders_thread():
+    """Where a worker lowers the thread's priority (the engine's threads come first)."""
+    seen = []
+    loop = SenderLoop(make_sender("fake"), name="kv-sender-test",
+                      on_start=lambda: seen.append(threading.current_thread().name))
+    try:
+        header, frames = make_payload()
+        loop.send("fake://nowhere", header, frames, timeout_s=1).result(timeout=5)
+        assert seen == ["kv-sender-test"]
+    finally:
+        loop.close()

@@ -24,8 +24,11 @@ TIDY_S = 1.0  # an idle sender still looks this often: socket idle timeouts, van
 
 
 class SenderLoop:
-    def __init__(self, sender: KVSender, name: str = "kv-sender") -> None:
+    def __init__(self, sender: KVSender, name: str = "kv-sender", on_start: Callable[[], None] | None = None) -> None:
+        """`on_start` runs first on the thread (a worker lowers its priority there: the engine's
+        threads come first)."""
         self.sender = sender  # read by the thread on every turn
+        self._on_start = on_start
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._open: dict[int, tuple[TransferHandle, Future]] = {}  # id(future) -> its transfer
         self._queued: dict[int, tuple[TransferHandle, Future]] = {}  # handed over, not yet sent
@@ -77,6 +80,8 @@ class SenderLoop:
         self.sender.wake()
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         while not self._stop.is_set():
             try:
                 while True:
