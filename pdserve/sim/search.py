@@ -67,12 +67,13 @@ def sized_split(reqs: list[TraceRequest], settings: SimSettings, target: float) 
     sample = [Arrival(r.prompt_len, r.output_len) for r in random.Random(0).sample(reqs, min(len(reqs), 2048))]
     pm, dm = pool_model(settings)
     per_pool = 1 - (1 - target) / 2
-    dm.hold_s = pm.terms(sample).service_mean  # decode KV is reserved before the prefill
+    pt = pm.terms(sample)
+    dm.hold_s = pt.service_mean  # decode KV is reserved before the prefill
     if settings.mode == "colocated":
-        p = pm.prefill_workers(rate, pm.terms(sample), per_pool)
+        p = pm.prefill_workers(rate, pt, per_pool)
         d = dm.decode_workers(rate, dm.terms(sample), per_pool)
         return {"colocated": p + d}
-    return {"prefill": pm.prefill_workers(rate, pm.terms(sample), per_pool),
+    return {"prefill": pm.prefill_workers(rate, pt, per_pool),
             "decode": dm.decode_workers(rate, dm.terms(sample), per_pool)}
 
 

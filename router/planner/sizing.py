@@ -137,6 +137,7 @@ class PoolModel:
             sample = [a for a in sample if a.prompt_len + a.output_len <= self.max_kv_tokens]
         kept = len(sample) / n if n else 1.0
         rows = [self._request_terms(a) for a in sample]
+        contexts = [a.prompt_len + a.output_len / 2 for a in sample]  # a decode resident's, mid-output
         service = [r[0] for r in rows]
         mean = statistics.fmean(service) if service else 0.0
         return Terms(service=service, ttft_slo=[r[1] for r in rows],
@@ -145,12 +146,11 @@ class PoolModel:
                      single=sum(r[2] is None for r in rows),
                      outputs=[a.output_len for a in sample],
                      mean_output=statistics.fmean(a.output_len for a in sample) if sample else 0.0,
-                     context=round(_resident_mean([a.prompt_len + a.output_len / 2 for a in sample], sample)),
+                     context=round(_resident_mean(contexts, sample)),
                      kv_tokens=_resident_mean([a.prompt_len + a.output_len for a in sample], sample),
                      service_mean=mean,
                      service_cv2=statistics.pvariance(service) / (mean * mean) if mean > 0 else 0.0,
-                     kept=kept, neighbours=_weighted_points([a.prompt_len + a.output_len / 2 for a in sample],
-                                                            [max(a.output_len, 1) for a in sample]))
+                     kept=kept, neighbours=_weighted_points(contexts, [max(a.output_len, 1) for a in sample]))
 
     # ---- prefill --------------------------------------------------------------------------
     def prefill_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
