@@ -18,6 +18,7 @@ from decode_worker.kv_import import check_header, frame_offset
 from engine import InvalidRequestError, KVReservation, LLMEngine, SamplingParams
 from engine.llm_engine import KVImportError
 from pdcommon.convert import first_token_to_proto, params_from_proto, tokens_to_proto
+from pdcommon.engine_loop import DirectStream
 from pdcommon.grpc_server import add_service
 from pdcommon.priority import lower_thread_priority
 from pdcommon.v1 import worker_pb2 as wpb
@@ -140,7 +141,8 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False))
             return
         local, resume = request.prefill_here, list(request.resume_token_ids)
-        q = loop.open_stream(rid)
+        direct = self._direct(request)
+        q = loop.open_stream(rid, direct)
         try:
             if local:
                 held, blocks = 0, await loop.call(self._admit_local, eng, rid, prompt, params, resume)
@@ -175,11 +177,14 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                 finished = msg.HasField("tokens") and bool(msg.tokens.finish_reason) \
                     or msg.HasField("first") and bool(msg.first.finish_reason)
             while not finished:
-                outs = [await q.get()]
-                while not outs[-1].finished and not q.empty():  # the engine got ahead: send what is ready
-                    outs.append(q.get_nowait())
+                out, index = await q.get()
+                outs = [out]
+                # The engine got ahead: send what is ready in one message (a direct stream's items
+                # here are not consecutive: each keeps its own index).
+                while index is None and not outs[-1].finished and not q.empty():
+                    outs.append(q.get_nowait()[0])
                 finished = outs[-1].finished
-                yield wpb.DecodeResponse(tokens=tokens_to_proto(outs))
+                yield wpb.DecodeResponse(tokens=tokens_to_proto(outs, index=index or 0))
         finally:
             self.pending.pop(rid, None)
             loop.close_stream(rid, q)
@@ -191,8 +196,16 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             if not finished:
                 loop.call(eng.abort_request, rid, False)
 
+    def _direct(self, request: wpb.DecodeRequest) -> DirectStream | None:
+        """Where this stream's middle tokens go, when the router asked for its token port."""
+        if not request.token_port or len(request.token_key) < 16:
+            return None
+        host = self.rt.router_address.rsplit(":", 1)[0]  # the router as this worker reaches it
+        return DirectStream(f"tcp://{host}:{request.token_port}", request.request_id, request.attempt,
+                            bytes(request.token_key), count_first=not request.prefill_here)
+
     async def _first_local(self, rid: str, q: asyncio.Queue):
-        out = await q.get()  # the timing rides on the output: no second trip to a busy engine thread
+        out, _ = await q.get()  # the timing rides on the output: no second trip to a busy engine thread
         yield wpb.DecodeResponse(first=first_token_to_proto(out, out.prefill_s))
 
     async def _first_imported(self, rid: str, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext,
@@ -214,7 +227,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(finish_reason=final.finish_reason or "stop",
                                                              text=final.text_delta, **kv))
             return
-        out = await q.get()
+        out, _ = await q.get()
         yield wpb.DecodeResponse(tokens=tokens_to_proto([out], **kv))
 
     def gauges(self) -> dict[str, int]:

@@ -88,6 +88,10 @@ class RouterSection(_Strict):
     # deployment can expose the public one alone. Bound on control_host (default: host).
     control_port: int = Field(50052, ge=0, le=65535)
     control_host: str | None = None
+    # Decode workers' engine threads send tokens here over ZeroMQ (pdcommon/token_stream.py), on
+    # control_host; workers reach it at the host they registered with. None: every token on the
+    # gRPC stream (also what mutual TLS gets: this port is not encrypted).
+    token_port: int | None = Field(50053, ge=0, le=65535)
     # Requests waiting for decode room; sized so a burst of several hundred streams queues
     # rather than getting 429s.
     queue_size: int = Field(4096, ge=0)
@@ -115,6 +119,8 @@ class RouterSection(_Strict):
         # port 0 asks for a free port: unless also given, the control port is then a free one too.
         if self.port == 0 and "control_port" not in self.model_fields_set:
             self.control_port = 0
+        if self.port == 0 and "token_port" not in self.model_fields_set:
+            self.token_port = 0
         return self
 
 

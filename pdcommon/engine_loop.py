@@ -1,6 +1,10 @@
 """One thread owns the engine; asyncio handlers talk to it through commands and per-request
 output queues. Every engine call runs on that thread, except LLMEngine.land_kv, which the
-decode worker's receiver thread calls (see the threading rule in engine/llm_engine.py)."""
+decode worker's receiver thread calls (see the threading rule in engine/llm_engine.py).
+
+A stream opened with a `DirectStream` sends its middle outputs from the engine thread straight
+to the router (pdcommon/token_stream.py); only its first and last outputs, and any the socket
+cannot take, reach the event loop."""
 
 from __future__ import annotations
 
@@ -9,11 +13,31 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from engine import LLMEngine, RequestOutput
+from pdcommon.token_stream import TokenChunk, TokenPusher, pack
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DirectStream:
+    """Where a stream's middle outputs go: the router's token endpoint, under this key."""
+
+    endpoint: str
+    request_id: str  # the id the router knows the stream by
+    attempt: int
+    key: bytes
+    count_first: bool  # the first output is token 0 of the stream (False: it is sent apart, as FirstToken)
+    started: bool = False
+    next_index: int = 0
+
+
+# A stream's items: (output, index of its first token in the stream), the index set only for a
+# direct stream, whose outputs the router puts back in order.
+StreamItem = tuple[RequestOutput, "int | None"]
 
 
 class EngineLoop:
@@ -21,7 +45,9 @@ class EngineLoop:
         self.engine = engine
         self.loop = loop
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._direct: dict[str, DirectStream] = {}  # read by the engine thread
+        self._pusher = TokenPusher()
         self._stop = threading.Event()
         self.stats = engine.stats()
         self.steps = 0
@@ -53,21 +79,50 @@ class EngineLoop:
 
         self._cmds.put(run)
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    def open_stream(self, request_id: str, direct: DirectStream | None = None) -> asyncio.Queue[StreamItem]:
+        q: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._streams[request_id] = q
+        if direct is not None:
+            self._direct[request_id] = direct
+        else:
+            self._direct.pop(request_id, None)
         return q
 
-    def close_stream(self, request_id: str, q: asyncio.Queue[RequestOutput]) -> None:
+    def close_stream(self, request_id: str, q: asyncio.Queue[StreamItem]) -> None:
         """Stop delivering to q; a newer stream opened under the same id (a retry) stays."""
         if self._streams.get(request_id) is q:
             del self._streams[request_id]
+            self._direct.pop(request_id, None)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _route(self, outputs: list[RequestOutput]) -> list[StreamItem]:
+        """Engine thread: send direct streams' middle outputs to the router; the rest, with
+        their stream index, go to the event loop."""
+        to_loop: list[StreamItem] = []
         for out in outputs:
-            q = self._streams.get(out.request_id)
+            d = self._direct.get(out.request_id)
+            if d is None:
+                to_loop.append((out, None))
+                continue
+            index = d.next_index
+            if not d.started:  # the first output carries figures only the gRPC message has
+                d.started = True
+                if d.count_first:
+                    d.next_index += len(out.new_token_ids)
+                to_loop.append((out, index))
+                continue
+            d.next_index += len(out.new_token_ids)
+            # The last output ends the gRPC stream; top logprobs have no place in a token message.
+            if out.finished or any(out.new_top_logprobs) or not self._pusher.send(d.endpoint, pack(
+                    d.request_id, d.attempt, d.key, TokenChunk(index, out.new_token_ids, out.text_delta,
+                                                               out.new_logprobs))):
+                to_loop.append((out, index))
+        return to_loop
+
+    def _dispatch(self, items: list[StreamItem]) -> None:
+        for item in items:
+            q = self._streams.get(item[0].request_id)
             if q is not None:
-                q.put_nowait(out)
+                q.put_nowait(item)
 
     def _run(self) -> None:
         eng = self.engine
@@ -90,8 +145,10 @@ class EngineLoop:
                 raise
             self.steps += 1
             self.stats = eng.stats()
-            if outputs:
-                self.loop.call_soon_threadsafe(self._dispatch, outputs)
+            items = self._route(outputs) if self._direct else [(out, None) for out in outputs]
+            if items:
+                self.loop.call_soon_threadsafe(self._dispatch, items)
+        self._pusher.close()
 
     def stop(self) -> None:
         self._stop.set()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdcommon.convert import params_to_proto
+from pdcommon.token_stream import TokenInbox
 from pdcommon.v1 import worker_pb2 as wpb
 from router.membership import Membership, WorkerRecord
 from router.policy import RoutingPolicy
@@ -27,10 +28,16 @@ class Lease:
     # One-time key of this reservation: the decode worker lands only KV signed with it, and the
     # router gives it to no one but the prefill worker it picks for this attempt.
     transfer_key: bytes = b""
+    # Tokens the decode worker's engine thread sends to the router's ZeroMQ port (None: all of
+    # them on the call), and the inbox they arrive in.
+    tokens: asyncio.Queue | None = None
+    inbox: TokenInbox | None = None
 
     def release(self, st: RequestState) -> None:
         self.worker.inflight.pop(st.request_id, None)
         self.call.cancel()
+        if self.inbox is not None:
+            self.inbox.close_stream(st.worker_request_id, st.attempt)
 
 
 class Admission:
@@ -39,6 +46,7 @@ class Admission:
         self.members, self.policy, self.role = members, policy, role
         self.block_size, self.queue_size, self.transfer_timeout_s = block_size, queue_size, transfer_timeout_s
         self.waiting = 0
+        self.tokens: TokenInbox | None = None  # set when the router's token port is open
 
     def _ranked(self, st: RequestState, need: int) -> list[WorkerRecord]:
         ranked = self.policy.rank_decode(self.members.active(self.role), st.prefix, need)
@@ -72,11 +80,27 @@ class Admission:
         """Open a Decode call on `w`; a lease if it reserved room, None if it had none."""
         local = self.role == "colocated"
         key = b"" if local else secrets.token_bytes(32)
-        call = w.stub.Decode(wpb.DecodeRequest(
+        req = wpb.DecodeRequest(
             request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
             transfer_timeout_s=self.transfer_timeout_s, attempt=st.attempt, prefill_here=local,
-            resume_token_ids=st.sent_ids, transfer_key=key), timeout=max(st.remaining, 0.001),
-            metadata=self.members.identity.metadata)
+            resume_token_ids=st.sent_ids, transfer_key=key)
+        inbox, tokens, lease = self.tokens, None, None
+        if inbox is not None:  # open before the call: the worker's tokens can only follow it
+            req.token_port, req.token_key = inbox.port, secrets.token_bytes(16)
+            tokens = inbox.open(st.worker_request_id, st.attempt, req.token_key)
+        try:
+            call, reservation = await self._reserve(w, st, req)
+            if reservation is not None:
+                w.pending_blocks += need - reservation.num_held_blocks
+                lease = Lease(w, call, reservation, key, tokens, inbox)
+            return lease
+        finally:
+            if lease is None and inbox is not None:
+                inbox.close_stream(st.worker_request_id, st.attempt)
+
+    async def _reserve(self, w: WorkerRecord, st: RequestState, req: wpb.DecodeRequest):
+        """The call and its reservation, or (call, None) when the worker had no room."""
+        call = w.stub.Decode(req, timeout=max(st.remaining, 0.001), metadata=self.members.identity.metadata)
         # Count the request against the worker now, so concurrent admissions spread out.
         w.inflight[st.request_id] = st.fail
         try:
@@ -87,19 +111,18 @@ class Admission:
             if client_cancelled():  # the client left while we waited: nothing may stay counted
                 raise
             st.failure = None  # the worker was dropped (its channel closed) mid-reservation: try another
-            return None
+            return call, None
         except grpc.aio.AioRpcError as e:
             w.inflight.pop(st.request_id, None)
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise RequestFailed(e.code(), e.details()) from e
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self.members.drop(w.worker_id, f"unreachable ({e.details()})")
-            return None
+            return call, None
         if first is grpc.aio.EOF or not first.reservation.ok:
             w.inflight.pop(st.request_id, None)
             if first is not grpc.aio.EOF:
                 w.observe_free(first.reservation.free_blocks)
             call.cancel()
-            return None
-        w.pending_blocks += need - first.reservation.num_held_blocks
-        return Lease(w, call, first.reservation, key)
+            return call, None
+        return call, first.reservation

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 
 import grpc
 
@@ -22,6 +23,7 @@ from pdcommon.config import ClusterConfig
 from pdcommon.convert import layout_from_proto, params_to_proto
 from pdcommon.grpc_server import message_options
 from pdcommon.security import ClusterIdentity
+from pdcommon.token_stream import InOrder
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.admission import Admission, Lease
@@ -251,6 +253,26 @@ class RouterCore:
         return self._finish(msg, st, ft.finish_reason) if ft.finish_reason else msg
 
     async def _relay(self, st: RequestState, lease: Lease):
+        first = True
+        chunks = self._direct_chunks(st, lease) if lease.tokens is not None else self._call_chunks(st, lease)
+        async with aclosing(chunks):
+            async for tok in chunks:
+                if first:
+                    self._release_prefill(st)  # the KV landed: the prefill worker's fate no longer matters
+                    first = False
+                if tok.kv_transfer_bytes:
+                    st.transfer_s, st.transfer_bytes = tok.kv_transfer_s, tok.kv_transfer_bytes
+                self._tokens(st, len(tok.token_ids))
+                st.sent_ids.extend(tok.token_ids)
+                out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
+                                          logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
+                if tok.finish_reason:
+                    yield self._finish(out, st, tok.finish_reason)
+                    return
+                yield out
+
+    async def _call_chunks(self, st: RequestState, lease: Lease):
+        """Every token on the Decode call."""
         stall = self.cfg.router.stall_timeout_s
         first = True
         while True:
@@ -260,20 +282,48 @@ class RouterCore:
             if msg is grpc.aio.EOF:
                 raise RequestFailed(grpc.StatusCode.INTERNAL,
                                     f"decode worker {lease.worker.worker_id} ended the stream without a finish reason")
-            if first:
-                self._release_prefill(st)  # the KV landed: the prefill worker's fate no longer matters
+            first = False
+            yield msg.tokens
+
+    async def _direct_chunks(self, st: RequestState, lease: Lease):
+        """Tokens from two channels, put back in order: the middle ones from the worker's engine
+        thread (pdcommon/token_stream.py), the first, the last and any error on the call."""
+        q, stall, pump = lease.tokens, self.cfg.router.stall_timeout_s, None
+
+        async def read_call() -> None:
+            try:
+                while True:
+                    msg = await self._read(st, lease.call, lease.worker)
+                    q.put_nowait(msg.tokens if msg is not grpc.aio.EOF else msg)
+                    if msg is grpc.aio.EOF or msg.tokens.finish_reason:
+                        return
+            except (RetryAttempt, RequestFailed) as e:
+                q.put_nowait(e)
+            except Exception as e:  # never leave the relay waiting for a reader that died
+                q.put_nowait(RequestFailed(grpc.StatusCode.INTERNAL, f"decode stream reader failed: {e!r}"))
+
+        pump = asyncio.create_task(read_call())
+        try:
+            order, first = InOrder(), True
+            while True:
+                async with asyncio.timeout(None if first else stall):
+                    item = await q.get()
                 first = False
-            tok = msg.tokens
-            if tok.kv_transfer_bytes:
-                st.transfer_s, st.transfer_bytes = tok.kv_transfer_s, tok.kv_transfer_bytes
-            self._tokens(st, len(tok.token_ids))
-            st.sent_ids.extend(tok.token_ids)
-            out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
-                                      logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
-            if tok.finish_reason:
-                yield self._finish(out, st, tok.finish_reason)
-                return
-            yield out
+                if isinstance(item, Exception):
+                    raise item
+                if item is grpc.aio.EOF:
+                    raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {lease.worker.worker_id} "
+                                        "ended the stream without a finish reason")
+                for tok in order.push(item):
+                    yield tok
+                    if tok.finish_reason:
+                        return
+        except TimeoutError:
+            self.members.drop(lease.worker.worker_id, f"stalled: no token for {stall:.1f}s")
+            raise RetryAttempt(f"decode worker {lease.worker.worker_id} stalled (no token for {stall:.1f}s)",
+                               "decode", lease.worker.worker_id) from None
+        finally:
+            pump.cancel()
 
     async def _read(self, st: RequestState, call, worker: WorkerRecord, stall_s: float | None = None):
         """One message from a worker call; a failure becomes RetryAttempt or RequestFailed."""

@@ -79,7 +79,22 @@ class _ClusterCollector:
         queries.add_metric([], q_total)
         hits.add_metric([], h_total)
         yield from (running, waiting, usage, replicas, target, queries, hits, inflight, active, *leaks.values())
+        yield from _token_counters(core.admission.tokens)
         yield from _planner_gauges(core.planner_status)
+
+
+def _token_counters(inbox):
+    """Decode tokens that came straight from workers' engine threads (pdcommon/token_stream.py),
+    and messages refused there (no open stream, or not signed with its key)."""
+    if inbox is None:
+        return
+    received = CounterMetricFamily("pdserve:router_direct_token_messages", "Token messages from decode engine "
+                                   "threads over the router's token port")
+    refused = CounterMetricFamily("pdserve:router_direct_token_refused", "Token messages refused at the token "
+                                  "port: no open stream, a bad signature, or malformed")
+    received.add_metric([], inbox.received)
+    refused.add_metric([], inbox.refused)
+    yield from (received, refused)
 
 
 def _planner_gauges(status: str):

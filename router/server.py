@@ -11,6 +11,7 @@ import grpc
 from pdcommon.config import ClusterConfig
 from pdcommon.grpc_server import add_service, make_server
 from pdcommon.security import ClusterIdentity
+from pdcommon.token_stream import TokenInbox
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.auth import ApiKeyInterceptor, ApiKeys, load_api_keys
@@ -42,6 +43,7 @@ class RouterServer:
         self.address = ""
         self.control_address = ""
         self._reaper: asyncio.Task | None = None
+        self.tokens: TokenInbox | None = None
 
     async def start(self) -> str:
         r = self.cfg.router
@@ -60,6 +62,10 @@ class RouterServer:
         cport = self.identity.bind(self.control, f"{chost}:{r.control_port}")
         if cport == 0:
             raise OSError(f"router cannot bind its control port {chost}:{r.control_port}")
+        if r.token_port is not None and self.identity.mode != "mtls":
+            self.tokens = TokenInbox(chost, r.token_port)
+            self.tokens.start()
+            self.core.admission.tokens = self.tokens
         await self.server.start()
         await self.control.start()
         self.address = f"{r.advertise_host or r.host}:{port}"
@@ -109,6 +115,8 @@ class RouterServer:
         for server in (self.server, self.control):
             if server is not None:
                 await server.stop(grace=1.0)
+        if self.tokens is not None:
+            self.tokens.close()
 
 
 async def serve(cfg: ClusterConfig, launcher: Launcher | None = None, stop: asyncio.Event | None = None,

@@ -66,8 +66,8 @@ def test_image_carries_every_package_and_exposes_the_configured_ports():
     exposed = {int(p) for p in re.search(r"^EXPOSE (.+)$", text, re.M).group(1).split()}
     cfg = yaml.safe_load((ROOT / "k8s" / "base" / "cluster.yaml").read_text())
     r = cfg["router"]
-    assert {r["port"], r["http_port"], r["control_port"], cfg["prefill"]["port"], cfg["decode"]["port"],
-            cfg["decode"]["transfer_port"]} <= exposed
+    assert {r["port"], r["http_port"], r["control_port"], r["token_port"], cfg["prefill"]["port"],
+            cfg["decode"]["port"], cfg["decode"]["transfer_port"]} <= exposed
     # Manifests run it as the same non-root user.
     user = re.search(r"^USER (\d+):(\d+)$", text, re.M)
     assert user and int(user.group(1)) >= 1000

@@ -151,7 +151,8 @@ def test_manifests_fit_together(rendered, overlay, tmp_path, monkeypatch):
     labels = deps["pdserve-router"]["spec"]["template"]["metadata"]["labels"]
     assert public["spec"]["selector"].items() <= labels.items()
     assert {p["port"] for p in public["spec"]["ports"]} == {cfg.router.port, cfg.router.http_port}
-    assert [p["port"] for p in control["spec"]["ports"]] == [cfg.router.control_port]
+    # Workers reach the router's token port at the host they registered with: the same Service.
+    assert [p["port"] for p in control["spec"]["ports"]] == [cfg.router.control_port, cfg.router.token_port]
     # Workers register through it before the router is ready (ready = it has workers).
     assert control["spec"]["publishNotReadyAddresses"] is True
     secret = next(iter(kinds(docs, "Secret")))
@@ -169,7 +170,7 @@ def test_manifests_fit_together(rendered, overlay, tmp_path, monkeypatch):
         if role == "decode":
             assert cfg.decode.transfer_port in ports
         if role == "router":
-            assert {cfg.router.port, cfg.router.http_port, cfg.router.control_port} <= ports
+            assert {cfg.router.port, cfg.router.http_port, cfg.router.control_port, cfg.router.token_port} <= ports
         else:  # workers use the internal control Service, not the public one, and name themselves by pod
             control_service = f"pdserve-router-control:{cfg.router.control_port}"
             assert c["command"][c["command"].index("--router") + 1] == control_service
@@ -197,7 +198,7 @@ def test_internal_ports_admit_only_pdserve_pods(rendered):
     assert [{p["port"] for p in r["ports"]} for r in public] == [{"grpc", "http"}]
     (internal,) = [r for r in router if "from" in r]
     assert internal["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve"}}}]
-    assert {p["port"] for p in internal["ports"]} == {"control"}
+    assert {p["port"] for p in internal["ports"]} == {"control", "tokens"}
     workers = pols["pdserve-workers-internal"]["spec"]
     assert all("from" in r for r in workers["ingress"])
 

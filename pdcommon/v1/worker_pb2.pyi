@@ -132,7 +132,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s", "attempt", "prefill_here", "resume_token_ids", "transfer_key")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "transfer_timeout_s", "attempt", "prefill_here", "resume_token_ids", "transfer_key", "token_port", "token_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,8 @@ class DecodeRequest(_message.Message):
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _router_pb2.SamplingParams
@@ -149,7 +151,9 @@ class DecodeRequest(_message.Message):
     prefill_here: bool
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     transfer_key: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ..., prefill_here: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., transfer_key: _Optional[bytes] = ...) -> None: ...
+    token_port: int
+    token_key: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ..., prefill_here: _Optional[bool] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., transfer_key: _Optional[bytes] = ..., token_port: _Optional[int] = ..., token_key: _Optional[bytes] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("ok", "num_held_blocks", "free_blocks")
@@ -162,7 +166,7 @@ class Reservation(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., num_held_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s", "kv_transfer_bytes")
+    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s", "kv_transfer_bytes", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +174,7 @@ class DecodeTokens(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -177,7 +182,8 @@ class DecodeTokens(_message.Message):
     finish_reason: str
     kv_transfer_s: float
     kv_transfer_bytes: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_router_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_router_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("reservation", "tokens", "first")

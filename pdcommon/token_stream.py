@@ -1,0 +1,183 @@
+"""Decode tokens straight from a worker's engine thread to the router, over ZeroMQ.
+
+Why: on the gRPC stream every token woke the decode worker's event loop, built a protobuf and
+went through gRPC's asyncio machinery, all under the GIL the engine thread needs for its own
+step. Measured on stories260K (1 prefill + 1 decode): the engine thread spent 1.7 ms of CPU per
+token against 1.0 ms alone, and the stream's ITL was twice the engine's step. Here the engine
+thread packs each output (msgpack, a keyed BLAKE2b tag) and hands it to a ZeroMQ PUSH socket: no
+event loop in the worker is involved per token. The router's PULL socket is read from its event
+loop's selector.
+
+What still rides the gRPC Decode stream: the reservation, the first message (the first token, or
+the transfer's figures), the last one (with the finish reason) and any error, so cancellation,
+disconnects and failover work as before. Every token message carries the index of its first
+token in the stream, and the router puts both channels back in order.
+
+A message is accepted only for an open stream and only with that stream's key, which the router
+made for this attempt and gave the worker over the authenticated control channel. Tokens cross the
+network in clear text, as KV does over ZeroMQ; under mutual TLS the router does not ask for this
+path and tokens stay on the (encrypted) gRPC stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+from dataclasses import dataclass, field
+
+import msgpack
+import zmq
+
+log = logging.getLogger(__name__)
+
+_TAG = 16
+
+
+def _tag(key: bytes, head: bytes) -> bytes:
+    return hashlib.blake2b(head, key=key, digest_size=_TAG, person=b"pdserve-tokens").digest()
+
+
+@dataclass(slots=True)
+class TokenChunk:
+    """Consecutive tokens of one stream, from its index-th token on."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    # What only the gRPC stream's messages carry (the last, the first after a transfer): read
+    # alike from either kind of chunk.
+    finish_reason: str = ""
+    top_logprobs: tuple = ()
+    kv_transfer_s: float = 0.0
+    kv_transfer_bytes: int = 0
+
+
+def pack(request_id: str, attempt: int, key: bytes, chunk: TokenChunk) -> list[bytes]:
+    head = msgpack.packb([request_id, attempt, chunk.index, chunk.token_ids, chunk.text, chunk.logprobs])
+    return [head, _tag(key, head)]
+
+
+class InOrder:
+    """Puts a stream's chunks back in order by index (the two channels race); a chunk whose index
+    was already passed (a duplicate) is dropped."""
+
+    def __init__(self) -> None:
+        self.expected = 0
+        self._ahead: dict = {}
+
+    def push(self, chunk) -> list:
+        """The chunks now ready, in order (`chunk` has .index and .token_ids)."""
+        if chunk.index >= self.expected:
+            self._ahead.setdefault(chunk.index, chunk)
+        ready = []
+        while self.expected in self._ahead:
+            c = self._ahead.pop(self.expected)
+            ready.append(c)
+            if not c.token_ids:  # only a finish can be empty; nothing may follow it
+                break
+            self.expected += len(c.token_ids)
+        return ready
+
+    @property
+    def waiting(self) -> int:
+        return len(self._ahead)
+
+
+class TokenPusher:
+    """The worker's side: one PUSH socket per router endpoint. Not thread-safe: the engine thread
+    owns it and is the only caller."""
+
+    def __init__(self, hwm: int = 100_000) -> None:
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[str, zmq.Socket] = {}
+        self._hwm = hwm
+
+    def send(self, endpoint: str, frames: list[bytes]) -> bool:
+        """Queue frames for the router; False when they cannot go now (router gone, queue full):
+        the caller then sends them on the gRPC stream instead."""
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self._socks[endpoint] = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, self._hwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
+
+
+@dataclass(slots=True)
+class _Stream:
+    key: bytes
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class TokenInbox:
+    """The router's side: a PULL socket bound on the control host, read from the event loop's
+    selector (no thread, no task per message). Messages go to the queue of their open stream."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)  # the router reads as fast as it can; never drop
+        bind_host = "*" if host in ("0.0.0.0", "::") else host
+        if port:
+            self._sock.bind(f"tcp://{bind_host}:{port}")
+            self.port = port
+        else:
+            self.port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
+        self._streams: dict[tuple[str, int], _Stream] = {}
+        self.received = 0
+        self.refused = 0  # unknown stream, bad tag or malformed: counted, never delivered
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+        self._drain()  # the FD is edge-triggered: take what came before we listened
+
+    def open(self, request_id: str, attempt: int, key: bytes) -> asyncio.Queue:
+        stream = self._streams[(request_id, attempt)] = _Stream(key)
+        return stream.queue
+
+    def close_stream(self, request_id: str, attempt: int) -> None:
+        self._streams.pop((request_id, attempt), None)
+
+    def _drain(self) -> None:
+        sock = self._sock
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._deliver(frames)
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        try:
+            head, tag = frames
+            rid, attempt, index, ids, text, lps = msgpack.unpackb(head)
+            stream = self._streams.get((rid, attempt))
+            ok = stream is not None and hmac.compare_digest(_tag(stream.key, head), tag)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            ok = False
+        if not ok:
+            self.refused += 1
+            return
+        self.received += 1
+        stream.queue.put_nowait(TokenChunk(index, ids, text, lps))
+
+    def close(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+        self._sock.close(0)

@@ -1,0 +1,112 @@
+"""Decode tokens from the engine thread straight to the router (pdcommon/token_stream.py): only
+signed messages of open streams are taken, the two channels are put back in order, and a real
+cluster streams its middle tokens this way, unharmed by forged messages."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import zmq
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from pdcommon.client import make_request
+from pdcommon.token_stream import InOrder, TokenChunk, TokenInbox, TokenPusher, pack
+from tests.cluster_utils import InProcessCluster, make_config
+
+KEY = b"k" * 16
+
+
+def _chunk(index: int, ids: list[int]) -> TokenChunk:
+    return TokenChunk(index, ids, "".join(f"<{t}>" for t in ids), [-0.5] * len(ids))
+
+
+def test_inbox_takes_only_signed_messages_of_open_streams():
+    async def run() -> tuple[list, int, int]:
+        inbox = TokenInbox("127.0.0.1", 0)
+        inbox.start()
+        q = inbox.open("r1", 2, KEY)
+        inbox.open("r2", 0, KEY)
+        inbox.close_stream("r2", 0)
+        endpoint = f"tcp://127.0.0.1:{inbox.port}"
+        sent = []
+
+        def engine_thread() -> None:  # the pusher lives on one thread, as on the engine's
+            pusher = TokenPusher()
+            msgs = [pack("r1", 2, KEY, _chunk(0, [5, 6])),
+                    pack("r1", 2, b"x" * 16, _chunk(2, [9])),      # wrong key
+                    pack("r1", 1, KEY, _chunk(2, [9])),             # an earlier attempt
+                    pack("r2", 0, KEY, _chunk(0, [9])),             # a closed stream
+                    [b"\x93garbage", b"tag"],                        # malformed
+                    pack("r1", 2, KEY, _chunk(2, [7]))]
+            sent.extend(pusher.send(endpoint, m) for m in msgs)
+            time.sleep(0.2)
+            pusher.close()
+
+        t = threading.Thread(target=engine_thread)
+        t.start()
+        got = []
+        while len(got) < 2:
+            got.append(await asyncio.wait_for(q.get(), 5))
+        await asyncio.to_thread(t.join)
+        await asyncio.sleep(0.05)
+        assert all(sent)
+        inbox.close()
+        return got, inbox.received, inbox.refused
+
+    got, received, refused = asyncio.run(run())
+    assert [(c.index, c.token_ids, c.text) for c in got] == [(0, [5, 6], "<5><6>"), (2, [7], "<7>")]
+    assert (received, refused) == (2, 4)
+
+
+def test_pusher_reports_a_full_queue_so_the_caller_can_fall_back():
+    ctx = zmq.Context.instance()
+    sink = ctx.socket(zmq.PULL)  # bound but never read, with tiny buffers: the queue fills
+    sink.setsockopt(zmq.RCVHWM, 1)
+    sink.setsockopt(zmq.RCVBUF, 4096)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    pusher = TokenPusher(hwm=1)
+    big = pack("r", 0, KEY, TokenChunk(0, list(range(1000)), "x" * 100_000, []))
+    results = [pusher.send(f"tcp://127.0.0.1:{port}", big) for _ in range(200)]
+    pusher.close()
+    sink.close(0)
+    assert results[0] is True and False in results
+
+
+def test_in_order_puts_two_channels_back_in_order():
+    order = InOrder()
+    assert order.push(_chunk(2, [30])) == []          # ahead of its turn
+    assert order.push(_chunk(3, [40, 41])) == []
+    ready = order.push(_chunk(0, [10, 20]))            # the first, late: all three follow
+    assert [c.index for c in ready] == [0, 2, 3] and order.expected == 5
+    assert order.push(_chunk(2, [30])) == []           # a duplicate is dropped
+    last = TokenChunk(5, [50], "", [], finish_reason="stop")
+    assert order.push(last) == [last] and order.waiting == 0
+
+
+def test_a_cluster_streams_middle_tokens_direct_and_refuses_forged_ones(stories_path):
+    prompt = "Once upon a time there was a"
+    ref = LLMEngine(EngineConfig(model=stories_path)).generate(
+        [prompt], SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))[0]["token_ids"]
+    with InProcessCluster(make_config(stories_path)) as cl, cl.client() as c:
+        inbox = cl.router.tokens
+        assert inbox is not None, "the token port is on by default"
+        got, forged = [], 0
+        pusher = TokenPusher()
+        for msg in c.stream(make_request(prompt, max_tokens=120, ignore_eos=True), timeout=60):
+            got += msg.token_ids
+            # A stranger who knows the stream's id, not its key, sends tokens ahead of the real ones.
+            for st in list(cl.core.active.values()):
+                pusher.send(f"tcp://127.0.0.1:{inbox.port}",
+                            pack(st.worker_request_id, st.attempt, b"y" * 16, _chunk(len(got) + 4, [1, 2, 3])))
+                forged += 1
+        pusher.close()
+        assert got == ref, "forged tokens reached the client, or direct tokens were lost or reordered"
+        assert forged > 10
+        deadline = time.monotonic() + 5
+        while inbox.refused < forged and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert inbox.refused == forged
+        assert inbox.received >= 100, f"only {inbox.received} of ~118 middle tokens came direct"
+        cl.wait_idle()
