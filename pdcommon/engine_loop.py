@@ -98,6 +98,7 @@ class EngineLoop:
         """Engine thread: send direct streams' middle outputs to the router; the rest, with
         their stream index, go to the event loop."""
         to_loop: list[StreamItem] = []
+        batches: dict[str, tuple[list[bytes], list[StreamItem]]] = {}
         for out in outputs:
             d = self._direct.get(out.request_id)
             if d is None:
@@ -112,10 +113,17 @@ class EngineLoop:
                 continue
             d.next_index += len(out.new_token_ids)
             # The last output ends the gRPC stream; top logprobs have no place in a token message.
-            if out.finished or any(out.new_top_logprobs) or not self._pusher.send(d.endpoint, pack(
-                    d.request_id, d.attempt, d.key, TokenChunk(index, out.new_token_ids, out.text_delta,
-                                                               out.new_logprobs))):
+            if out.finished or any(out.new_top_logprobs):
                 to_loop.append((out, index))
+                continue
+            frames, outs = batches.setdefault(d.endpoint, ([], []))
+            frames += pack(d.request_id, d.attempt, d.key, TokenChunk(index, out.new_token_ids, out.text_delta,
+                                                                      out.new_logprobs))
+            outs.append((out, index))
+        # One message per router and step, whatever the number of streams.
+        for endpoint, (frames, outs) in batches.items():
+            if not self._pusher.send(endpoint, frames):
+                to_loop += outs
         return to_loop
 
     def _dispatch(self, items: list[StreamItem]) -> None:

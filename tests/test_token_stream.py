@@ -110,3 +110,24 @@ def test_a_cluster_streams_middle_tokens_direct_and_refuses_forged_ones(stories_
         assert inbox.refused == forged
         assert inbox.received >= 100, f"only {inbox.received} of ~118 middle tokens came direct"
         cl.wait_idle()
+
+
+def test_one_message_per_step_carries_several_streams_each_checked_on_its_own():
+    async def run() -> tuple[list, list, int, int]:
+        inbox = TokenInbox("127.0.0.1", 0)
+        inbox.start()
+        qa, qb = inbox.open("a", 0, KEY), inbox.open("b", 0, b"b" * 16)
+        pusher = TokenPusher()
+        # Stream b's chunk is signed with a's key: refused; a's and the second b's still land.
+        step = pack("a", 0, KEY, _chunk(0, [1])) + pack("b", 0, KEY, _chunk(0, [2])) + \
+            pack("b", 0, b"b" * 16, _chunk(0, [3]))
+        assert pusher.send(f"tcp://127.0.0.1:{inbox.port}", step)
+        got_a = [await asyncio.wait_for(qa.get(), 5)]
+        got_b = [await asyncio.wait_for(qb.get(), 5)]
+        pusher.close()
+        inbox.close()
+        return got_a, got_b, inbox.received, inbox.refused
+
+    got_a, got_b, received, refused = asyncio.run(run())
+    assert [c.token_ids for c in got_a] == [[1]] and [c.token_ids for c in got_b] == [[3]]
+    assert (received, refused) == (2, 1)
