@@ -5,6 +5,7 @@ cluster streams its middle tokens this way, unharmed by forged messages."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 
@@ -16,6 +17,17 @@ from pdcommon.token_stream import InOrder, TokenChunk, TokenInbox, TokenPusher, 
 from tests.cluster_utils import InProcessCluster, make_config
 
 KEY = b"k" * 16
+
+
+def _send(pusher: TokenPusher, endpoint: str, frames: list[bytes]) -> bool:
+    """Send once the connection is up: the pusher queues only on a live connection, so a send
+    right after the socket is made can be refused (the engine then uses gRPC)."""
+    end = time.monotonic() + 5
+    while not pusher.send(endpoint, frames):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _chunk(index: int, ids: list[int]) -> TokenChunk:
@@ -40,7 +52,7 @@ def test_inbox_takes_only_signed_messages_of_open_streams():
                     pack("r2", 0, KEY, _chunk(0, [9])),             # a closed stream
                     [b"\x93garbage", b"tag"],                        # malformed
                     pack("r1", 2, KEY, _chunk(2, [7]))]
-            sent.extend(pusher.send(endpoint, m) for m in msgs)
+            sent.extend(_send(pusher, endpoint, m) for m in msgs)
             time.sleep(0.2)
             pusher.close()
 
@@ -60,6 +72,39 @@ def test_inbox_takes_only_signed_messages_of_open_streams():
     assert (received, refused) == (2, 4)
 
 
+def test_pusher_reports_an_unreachable_router_so_the_caller_can_fall_back():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pusher = TokenPusher()
+    results = [pusher.send(f"tcp://127.0.0.1:{port}", pack("r", 0, KEY, _chunk(i, [i]))) for i in range(5)]
+    time.sleep(0.2)  # reconnect attempts do not make it reachable
+    results.append(pusher.send(f"tcp://127.0.0.1:{port}", pack("r", 0, KEY, _chunk(5, [5]))))
+    pusher.close()
+    assert not any(results)
+
+
+def test_a_cluster_whose_token_port_is_unreachable_streams_by_grpc(stories_path):
+    """The router offers its token port, but nothing answers there (as behind a firewall): the
+    worker sends every token on the gRPC stream, without waiting for a stall."""
+    prompt = "Once upon a time there was a"
+    ref = LLMEngine(EngineConfig(model=stories_path)).generate(
+        [prompt], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))[0]["token_ids"]
+    with InProcessCluster(make_config(stories_path, **{"router.stall_timeout_s": 3.0})) as cl, cl.client() as c:
+        inbox = cl.router.tokens
+        cl._run(_close(inbox))  # its port no longer listens; admission still offers it
+        t0 = time.monotonic()
+        out = c.generate(make_request(prompt, max_tokens=60, ignore_eos=True), timeout=60)
+        assert out.token_ids == ref
+        assert time.monotonic() - t0 < 2.5, "tokens waited for the stall timeout instead of taking gRPC"
+        assert inbox.received == 0
+        cl.wait_idle()
+
+
+async def _close(inbox: TokenInbox) -> None:
+    inbox.close()
+
+
 def test_pusher_reports_a_full_queue_so_the_caller_can_fall_back():
     ctx = zmq.Context.instance()
     sink = ctx.socket(zmq.PULL)  # bound but never read, with tiny buffers: the queue fills
@@ -68,7 +113,8 @@ def test_pusher_reports_a_full_queue_so_the_caller_can_fall_back():
     port = sink.bind_to_random_port("tcp://127.0.0.1")
     pusher = TokenPusher(hwm=1)
     big = pack("r", 0, KEY, TokenChunk(0, list(range(1000)), "x" * 100_000, []))
-    results = [pusher.send(f"tcp://127.0.0.1:{port}", big) for _ in range(200)]
+    results = [_send(pusher, f"tcp://127.0.0.1:{port}", big)] + \
+        [pusher.send(f"tcp://127.0.0.1:{port}", big) for _ in range(200)]
     pusher.close()
     sink.close(0)
     assert results[0] is True and False in results
@@ -98,9 +144,8 @@ def test_a_cluster_streams_middle_tokens_direct_and_refuses_forged_ones(stories_
             got += msg.token_ids
             # A stranger who knows the stream's id, not its key, sends tokens ahead of the real ones.
             for st in list(cl.core.active.values()):
-                pusher.send(f"tcp://127.0.0.1:{inbox.port}",
-                            pack(st.worker_request_id, st.attempt, b"y" * 16, _chunk(len(got) + 4, [1, 2, 3])))
-                forged += 1
+                forged += pusher.send(f"tcp://127.0.0.1:{inbox.port}", pack(
+                    st.worker_request_id, st.attempt, b"y" * 16, _chunk(len(got) + 4, [1, 2, 3])))
         pusher.close()
         assert got == ref, "forged tokens reached the client, or direct tokens were lost or reordered"
         assert forged > 10
@@ -121,7 +166,7 @@ def test_one_message_per_step_carries_several_streams_each_checked_on_its_own():
         # Stream b's chunk is signed with a's key: refused; a's and the second b's still land.
         step = pack("a", 0, KEY, _chunk(0, [1])) + pack("b", 0, KEY, _chunk(0, [2])) + \
             pack("b", 0, b"b" * 16, _chunk(0, [3]))
-        assert pusher.send(f"tcp://127.0.0.1:{inbox.port}", step)
+        assert _send(pusher, f"tcp://127.0.0.1:{inbox.port}", step)
         got_a = [await asyncio.wait_for(qa.get(), 5)]
         got_b = [await asyncio.wait_for(qb.get(), 5)]
         pusher.close()
