@@ -3,10 +3,9 @@
 Why: on the gRPC stream every token woke the decode worker's event loop, built a protobuf and
 went through gRPC's asyncio machinery, all under the GIL the engine thread needs for its own
 step. Measured on stories260K (1 prefill + 1 decode): the stream's ITL was twice the engine's
-step alone. Here the engine
-thread packs each output (msgpack, a keyed BLAKE2b tag) and sends one ZeroMQ message per step
-to each router, whatever the number of streams: no event loop in the worker is involved per
-token. The router's PULL socket is read from its event loop's selector.
+step alone. Here the engine thread packs each output (msgpack, a keyed BLAKE2b tag) and sends
+one ZeroMQ message per step to each router, whatever the number of streams: no event loop in
+the worker is involved per token. The router's PULL socket is read from its event loop's selector.
 
 What still rides the gRPC Decode stream: the reservation, the first message (the first token, or
 the transfer's figures), the last one (with the finish reason) and any error, so cancellation,
@@ -24,13 +23,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import logging
 from dataclasses import dataclass, field
 
 import msgpack
 import zmq
-
-log = logging.getLogger(__name__)
 
 _TAG = 16
 

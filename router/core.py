@@ -280,15 +280,14 @@ class RouterCore:
             # after that, a stream silent for `stall` seconds is a hung worker.
             msg = await self._read(st, lease.call, lease.worker, None if first else stall)
             if msg is grpc.aio.EOF:
-                raise RequestFailed(grpc.StatusCode.INTERNAL,
-                                    f"decode worker {lease.worker.worker_id} ended the stream without a finish reason")
+                raise self._no_finish(lease.worker)
             first = False
             yield msg.tokens
 
     async def _direct_chunks(self, st: RequestState, lease: Lease):
         """Tokens from two channels, put back in order: the middle ones from the worker's engine
         thread (pdcommon/token_stream.py), the first, the last and any error on the call."""
-        q, stall, pump = lease.tokens, self.cfg.router.stall_timeout_s, None
+        q, stall = lease.tokens, self.cfg.router.stall_timeout_s
 
         async def read_call() -> None:
             try:
@@ -312,16 +311,13 @@ class RouterCore:
                 if isinstance(item, Exception):
                     raise item
                 if item is grpc.aio.EOF:
-                    raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {lease.worker.worker_id} "
-                                        "ended the stream without a finish reason")
+                    raise self._no_finish(lease.worker)
                 for tok in order.push(item):
                     yield tok
                     if tok.finish_reason:
                         return
         except TimeoutError:
-            self.members.drop(lease.worker.worker_id, f"stalled: no token for {stall:.1f}s")
-            raise RetryAttempt(f"decode worker {lease.worker.worker_id} stalled (no token for {stall:.1f}s)",
-                               "decode", lease.worker.worker_id) from None
+            raise self._stalled(lease.worker, stall) from None
         finally:
             pump.cancel()
 
@@ -334,9 +330,7 @@ class RouterCore:
             async with asyncio.timeout(stall_s):
                 return await call.read()
         except TimeoutError:
-            self.members.drop(worker.worker_id, f"stalled: no token for {stall_s:.1f}s")
-            raise RetryAttempt(f"{worker.role} worker {worker.worker_id} stalled (no token for {stall_s:.1f}s)",
-                               worker.role, worker.worker_id) from None
+            raise self._stalled(worker, stall_s) from None
         except asyncio.CancelledError:
             if client_cancelled():
                 raise  # our own task was cancelled (client gone): not a worker failure
@@ -353,6 +347,17 @@ class RouterCore:
             transfer = e.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED)
             what = "KV transfer to" if transfer else f"{worker.role} worker"
             raise self._failed(e.code(), f"{what} {worker.worker_id} failed: {e.details()}", worker) from None
+
+    def _stalled(self, worker: WorkerRecord, stall_s: float) -> RetryAttempt:
+        """A stream silent for `stall_s`: the worker is hung, so it leaves the pool and the request moves."""
+        self.members.drop(worker.worker_id, f"stalled: no token for {stall_s:.1f}s")
+        return RetryAttempt(f"{worker.role} worker {worker.worker_id} stalled (no token for {stall_s:.1f}s)",
+                            worker.role, worker.worker_id)
+
+    @staticmethod
+    def _no_finish(worker: WorkerRecord) -> RequestFailed:
+        return RequestFailed(grpc.StatusCode.INTERNAL,
+                             f"decode worker {worker.worker_id} ended the stream without a finish reason")
 
     @staticmethod
     def _failed(code: grpc.StatusCode, message: str, worker: WorkerRecord) -> Exception:
