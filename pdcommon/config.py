@@ -215,7 +215,7 @@ class PlannerSection(_Strict):
     tpot_slo_s: float | None = Field(None, gt=0)
     ttft_slo_factor: float = Field(3.0, gt=1)
     tpot_slo_factor: float = Field(2.0, gt=1)
-    forecaster: Literal["constant", "trend"] = "trend"
+    forecaster: Literal["constant", "trend", "steady"] = "steady"
     prefill: PoolLimits = Field(default_factory=PoolLimits)
     decode: PoolLimits = Field(default_factory=PoolLimits)
     max_total_workers: int | None = Field(None, ge=2)

@@ -26,6 +26,7 @@ class PlannerLoop:
         self.finished: list[Finished] = []
         self.prompt_tokens = self.cached_tokens = 0
         self.failed = 0
+        self.open: dict[int, RequestState] = {}  # the requests in flight, by id(): the backlog is theirs
         self.since = time.monotonic()
         self.last: Decision | None = None
         self._task: asyncio.Task | None = None
@@ -36,6 +37,7 @@ class PlannerLoop:
     # ---- observations (RouterCore's observer hooks) ------------------------------------------
     def on_start(self, st: RequestState) -> None:
         self.arrivals.append(Arrival(len(st.prompt), st.params.max_tokens, at_s=st.arrival))
+        self.open[id(st)] = st
 
     def on_token(self, st: RequestState, n: int, now: float) -> None:
         pass
@@ -47,12 +49,15 @@ class PlannerLoop:
                                       tpot_slo))
         self.prompt_tokens += len(st.prompt)
         self.cached_tokens += st.cached_tokens
+        self.open.pop(id(st), None)
 
     def on_abort(self, st: RequestState) -> None:
-        pass
+        self.open.pop(id(st), None)
 
     def on_fail(self, st: RequestState | None, err: RequestFailed) -> None:
         self.failed += 1
+        if st is not None:
+            self.open.pop(id(st), None)
 
     # ---- the loop -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -74,7 +79,8 @@ class PlannerLoop:
 
     async def tick(self) -> Decision:
         now = time.monotonic()
-        obs = Observation(self.since, now, self.arrivals, self.finished, self.prompt_tokens, self.cached_tokens)
+        obs = Observation(self.since, now, self.arrivals, self.finished, self.prompt_tokens, self.cached_tokens,
+                          waiting=sum(st.first_sent is None for st in self.open.values()))
         self.arrivals, self.finished, self.since = [], [], now
         self.prompt_tokens = self.cached_tokens = 0
         # The pools' targets, not the workers counted now: a worker that registers before its

@@ -13,7 +13,8 @@ import pytest
 from pdcommon.config import ClusterConfig, PlannerSection
 from pdcommon.step_cost import StepCostModel
 from router.planner import Arrival, Finished, Observation, PoolModel, SlaPlanner, Slos, erlang_c, make_planner
-from router.planner.forecast import Constant, Trend
+from router.planner.forecast import Constant, Steady, Trend
+from router.planner.replay import replay_met, with_backlog
 
 INTERVAL = 30.0
 
@@ -231,3 +232,84 @@ def test_live_router_runs_the_planner_and_reports_it(stories_path, tmp_path, cap
 
         assert main(["status", "--router", c.address]) == 0
         assert "planner sla (recommending only)" in capsys.readouterr().out
+
+
+def test_replay_queues_a_burst_behind_the_workers():
+    """Ten prompts at once on four workers: they start in waves of four, so the third wave
+    waits two service times; with an SLO of three service times all meet it, with two only
+    the first two waves do. Work already queued (the backlog) delays everyone."""
+    burst = [(0.0, 1.0, 3.0)] * 10
+    assert replay_met(burst, 4) == 1.0
+    assert replay_met([(0.0, 1.0, 2.0)] * 10, 4) == pytest.approx(0.8)
+    assert replay_met(with_backlog([(0.0, 1.0, 3.0)] * 10 + [(1.0, 1.0, 3.0)], 8, 1.0), 4) < 1.0
+
+
+def _timed(times: list[float], prompt: int = 1024, output: int = 32) -> list[Arrival]:
+    return [Arrival(prompt, output, 0, t) for t in times]
+
+
+def test_bursty_arrivals_need_more_prefill_workers_than_poisson():
+    """The same mean rate, as Poisson arrivals or as a cluster of 60 every 20 s: the replay
+    sizes the pool for the clusters the router saw (a third of a cluster, with an SLO of three
+    prefill times, all but the tail of each)."""
+    rng = random.Random(3)
+    t, poisson = 0.0, []
+    while len(poisson) < 600:
+        t += rng.expovariate(3.0)
+        poisson.append(t)
+    clustered = [20.0 * k + 0.01 * i for k in range(10) for i in range(60)]  # 3 req/s on average
+    pm = PoolModel(profile(), Slos(None, None, 3.0, 2.0), 2048)
+    smooth = pm.prefill_workers(3.0, pm.terms(_timed(poisson)), 0.95)
+    bursty_terms = pm.terms(_timed(clustered))
+    bursty = pm.prefill_workers(3.0, bursty_terms, 0.95)
+    assert bursty > 2 * smooth and 12 <= bursty <= 21, (smooth, bursty)
+
+
+def test_steady_forecast_averages_noise_and_follows_a_step():
+    rng = random.Random(5)
+    f = Steady()
+    for i in range(20):  # Poisson counts around 20 per interval: one interval's rate is +-22%
+        f.observe((i + 1) * INTERVAL, sum(rng.random() < 0.2 for _ in range(100)) / INTERVAL)
+    assert f.predict(0) == pytest.approx(20 / INTERVAL, rel=0.1)
+    assert f.since() <= 20 * INTERVAL - 300  # measured over minutes
+    f.observe(21 * INTERVAL, 80 / INTERVAL)  # a 4x step
+    assert f.predict(0) == pytest.approx(80 / INTERVAL, rel=0.05) and f.since() == 20 * INTERVAL
+
+
+def test_the_misses_go_to_the_pool_where_they_are_cheaper():
+    """Long prompts with 4-token outputs: each TPOT carries a third of a big KV transfer, so a
+    TPOT point costs decode workers while the prefill pool's need is flat across the goals
+    tried. The planner gives decode most of the misses, and needs fewer workers in all than
+    with them split evenly."""
+    rng = random.Random(4)
+    p, cur = planner(), {"prefill": 1, "decode": 1}
+    for i in range(6):
+        t, arrivals = i * INTERVAL, []
+        while (t := t + rng.expovariate(8.0)) < (i + 1) * INTERVAL:
+            arrivals.append(Arrival(rng.randint(256, 4096), 4, 0, t))
+        d = p.plan(Observation(i * INTERVAL, (i + 1) * INTERVAL, arrivals), cur)
+        cur = d.desired
+    assert p.share < 0.5, p.share
+    pt, dt = p.prefill_model.terms(list(p.sample), p.forecaster.since()), p.decode_model.terms(list(p.sample))
+    joint = p._joint(pt, dt)
+    even = (p.prefill_model.prefill_workers(p.forecaster.predict(0), pt, p.goal("prefill", 0.5, joint))
+            + p.decode_model.decode_workers(d.inputs["rate_decode"], dt, p.goal("decode", 0.5, joint)))
+    assert sum(d.recommended.values()) < 0.9 * even, (d.recommended, even)
+
+
+def test_one_bad_block_moves_the_offset_little():
+    """A block of 30 requests all missing their TTFT SLO (a burst of long prompts: they queued,
+    their prefill took what the profile says) must not grow the pool by itself; blocks that
+    keep saying so do."""
+    p = planner(min_samples=20)
+    cur = {"prefill": 4, "decode": 4}
+    rng = random.Random(2)
+    prof = profile()
+    for i in range(6):
+        obs = interval(i, 1, 512, 32, rng)
+        fin = [Finished(a.prompt_len, a.output_len, 5.0 - prof.prefill_seconds(a.prompt_len, 0, 2048), 5.0, 0.01,
+                        0.1, 1.0) for a in obs.arrivals[:30]]
+        p.plan(Observation(obs.start_s, obs.end_s, obs.arrivals, fin), cur)
+        if i == 1:
+            assert p.offset["prefill"] > -0.2, p.offset
+    assert p.offset["prefill"] < -0.2 and p.correction["prefill"] == pytest.approx(1.0, abs=0.05), p.offset

@@ -95,7 +95,7 @@ def test_pool_models_match_the_simulator_on_the_mooncake_trace():
     def sim(split: dict[str, int]) -> dict:
         return simulate(reqs, settings, StaticPlanner(split), split)[1]
 
-    mean_only = dataclasses.replace(dt, neighbours=[], _rooms={})
+    mean_only = dataclasses.replace(dt, neighbours=[], _rooms={}, _seen={})
     for d in (25, 33):
         got = sim({"prefill": 200, "decode": d})["tpot_attainment"]
         assert abs(dm.decode_attainment(d, rate, dt) - got) < 0.02, (d, got)

@@ -317,7 +317,7 @@ class Cluster:
     def _tick(self) -> None:
         start = self.now - self.s.interval_s
         obs = Observation(start, self.now, self.window_arrivals, self.window_finished, self.window_prompt,
-                          self.window_cached)
+                          self.window_cached, waiting=len(self.queue) + sum(len(w.queue) for w in self.workers))
         self.window_arrivals, self.window_finished = [], []
         self.window_prompt = self.window_cached = 0
         current = self._counts()

@@ -153,6 +153,11 @@ def main(args) -> int:
                   f"{s['worker_hours']:.2f} worker-h, peak {s['peak_replicas']}"
                   + (f", split {s['split']}" if "split" in s else f", {s['oscillations']} oscillations, "
                      f"{s['reversals_per_hour']:.1f} reversals/h"))
+        same = out["best_static_same_attainment"]
+        if same.get("split") != out["best_static"].get("split"):
+            print(f"best static at the planner's attainment: {same['attainment']:.1%} in {same['worker_hours']:.2f} "
+                  f"worker-h, split {same['split']}; the planner saves "
+                  f"{out['worker_hours_saved_same_attainment']:.1%} against it")
         print(f"worker-hours saved by the planner: {out['worker_hours_saved']:.1%}; wrote {path} and {png}")
     print(f"({out['trace']['requests']} requests, scale x{out['trace']['scale_factor']:.2f}, {out['wall_s']:.0f} s)")
     return 0

@@ -46,6 +46,9 @@ class Observation:
     # Prefix-cache hits of the prompts that started prefill in the interval, in tokens.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Requests that had arrived and had no first token yet when the interval ended: the backlog
+    # a step in load leaves, which a replay starting from an empty queue would not see.
+    waiting: int = 0
 
     @property
     def duration_s(self) -> float:

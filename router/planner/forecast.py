@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from typing import Protocol
 
 
@@ -10,18 +12,28 @@ class Forecaster(Protocol):
 
     def predict(self, t: float) -> float: ...
 
+    def since(self) -> float | None:
+        """When the arrivals the forecast stands for began: the planner replays those, at the
+        forecast's rate, for the burstiness within them (None: no time of its own)."""
+        ...
+
 
 class Constant:
     """The next interval looks like the last one."""
 
     def __init__(self) -> None:
         self.last = 0.0
+        self.t: float | None = None
+        self.start: float | None = None
 
     def observe(self, t: float, rate: float) -> None:
-        self.last = rate
+        self.last, self.start, self.t = rate, self.t, t
 
     def predict(self, t: float) -> float:
         return self.last
+
+    def since(self) -> float | None:
+        return self.start
 
 
 class Trend:
@@ -45,6 +57,9 @@ class Trend:
         self.slope = self.beta * (self.level - prev) / dt + (1 - self.beta) * self.slope
         self.t = t
 
+    def since(self) -> float | None:
+        return None  # the level blends every interval: the whole sample
+
     def predict(self, t: float) -> float:
         if self.level is None:
             return 0.0
@@ -52,4 +67,78 @@ class Trend:
         return max(self.level + min(max(trend, -self.reach * self.level), self.reach * self.level), 0.0)
 
 
-FORECASTERS: dict[str, type] = {"constant": Constant, "trend": Trend}
+class Steady:
+    """The rate over the longest recent stretch (up to `window_s`) that one constant rate
+    explains: every newer part of it holds the count that rate predicts, within `z` Poisson
+    standard deviations. A flat load is then measured over minutes, not over one interval's
+    few dozen arrivals (whose noise, planned for at once and shed slowly, ratcheted the pools
+    up), and a real step ends the stretch within an interval or two of arrivals.
+
+    Arrivals burstier than Poisson (the Azure code trace sends clusters of requests, minutes
+    apart) widen the test by their dispersion, the variance of an interval's count over its
+    mean (_dispersion): otherwise every burst ends the stretch, and the pools chase bursts that are over
+    before a new worker is up. A step well beyond the traffic's own swings still ends it. A
+    ramp is followed as a run of short steps. Each interval's duration is the time since the
+    one before (the first one's, the second's)."""
+
+    def __init__(self, window_s: float = 600.0, z: float = 2.0) -> None:
+        self.window_s, self.z = window_s, z
+        self.seen: deque[tuple[float, float]] = deque()  # (end time, rate), newest last
+        self.rate, self.start = 0.0, None
+        self.dispersion = 1.0
+
+    def observe(self, t: float, rate: float) -> None:
+        self.seen.append((t, rate))
+        while len(self.seen) > 2 and t - self.seen[1][0] >= self.window_s:
+            self.seen.popleft()
+        counts = self._counts()
+        self.dispersion = _dispersion(counts)
+        self.rate, self.start = counts[0][0] / counts[0][1], t - counts[0][1]
+        for w in range(2, len(counts) + 1):
+            n, d = sum(c for c, _ in counts[:w]), sum(s for _, s in counts[:w])
+            if not self._explains(n / d, counts[:w - 1]):
+                return
+            self.rate, self.start = n / d, t - d
+
+    def _counts(self) -> list[tuple[float, float]]:
+        """(arrivals, seconds) per interval, newest first."""
+        pts = list(self.seen)
+        out = []
+        for i in range(len(pts) - 1, -1, -1):
+            dt = pts[i][0] - pts[i - 1][0] if i > 0 else (pts[1][0] - pts[0][0] if len(pts) > 1 else 1.0)
+            out.append((pts[i][1] * dt, max(dt, 1e-9)))
+        return out
+
+    def _explains(self, rate: float, newer: list[tuple[float, float]]) -> bool:
+        """Whether every newest part of a stretch holds the count `rate` predicts."""
+        k_n = k_d = 0.0
+        for c, s in newer:
+            k_n, k_d = k_n + c, k_d + s
+            expect = rate * k_d
+            if abs(k_n - expect) > self.z * math.sqrt(self.dispersion * max(expect, 1.0)):
+                return False
+        return True
+
+    def predict(self, t: float) -> float:
+        return self.rate
+
+    def since(self) -> float | None:
+        return self.start
+
+
+CHI2_1_Q75 = 1.3233  # the upper quartile of a chi-square with one degree of freedom
+
+
+def _dispersion(counts: list[tuple[float, float]]) -> float:
+    """Variance over mean of an interval's count (1 for Poisson, never taken below), from the
+    upper quartile of the squared differences of neighbouring counts: (a - b)^2 / 2 estimates
+    the variance, and its quartile over chi-square's leaves out a few big differences, which
+    a step in load makes (the plain variance, with the step in it, hid the step itself)."""
+    if len(counts) < 4:
+        return 1.0
+    mean = sum(c for c, _ in counts) / len(counts)
+    diffs = sorted((a - b) ** 2 / 2 for (a, _), (b, _) in zip(counts, counts[1:], strict=False))
+    return max(diffs[(3 * len(diffs)) // 4] / CHI2_1_Q75 / max(mean, 1.0), 1.0)
+
+
+FORECASTERS: dict[str, type] = {"constant": Constant, "trend": Trend, "steady": Steady}

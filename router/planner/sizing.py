@@ -1,8 +1,9 @@
 """How many workers a pool needs for a load, from the step-cost profile.
 
 - **Prefill** is a queue in front of c servers. A request's TTFT is its wait plus its own prefill
-  time, so the SLO leaves each request a wait budget (its SLO less its prefill time). The wait
-  comes from M/G/c: Erlang C for the chance to wait at all, and an exponential tail whose rate
+  time, so the SLO leaves each request a wait budget (its SLO less its prefill time). With timed
+  arrivals (the router's), the recent ones are replayed through c servers (replay.py). Without,
+  the wait comes from M/G/c: Erlang C for the chance to wait at all, and an exponential tail whose rate
   is the pool's spare capacity, stretched by the Allen-Cunneen factor (ca^2 + cs^2) / 2 for
   arrivals and prompt lengths that vary more (or less) than Poisson and exponential. The
   predicted attainment is the mean, over a sample of recent requests, of P(wait <= budget).
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from pdcommon.step_cost import StepCostModel
 from router.planner.base import Arrival
+from router.planner.replay import MIN_ARRIVALS, replay_met, sample_rate, with_backlog
 
 DIMINISHING, NEAR = 0.005, 0.05  # attainment that doubling a pool must still buy, near the goal
 REACH_MARGIN = 0.01  # attainment is approached only as pools grow without end: stop this short of it
@@ -84,7 +86,16 @@ class Terms:
     # quantiles): a short request beside one 60k-token context misses a TPOT SLO that the mean
     # neighbour lets it meet, and long-context traces are heavy-tailed.
     neighbours: list[float] = field(default_factory=list)
+    # What the prefill replay runs: the kept requests of the replay window as (arrival time,
+    # service, TTFT SLO), in order, and the window's arrival rate (refused ones too). Empty when
+    # the sample is not timed.
+    replay: list[tuple[float, float, float]] = field(default_factory=list)
+    own_rate: float = 0.0
+    backlog: int = 0  # requests queued now (no first token yet): work ahead of the replayed ones
     _rooms: dict = field(default_factory=dict)
+    # Attainments already computed, by pool, workers, rate, correction and model: the planner tries
+    # several splits of the misses per interval, which ask for the same points.
+    _seen: dict = field(default_factory=dict)
 
     def rooms(self, profile: StepCostModel, correction: float) -> list[float]:
         """Sorted: the step time each request can spend on the rest of its batch. A step is
@@ -131,8 +142,17 @@ class PoolModel:
                 self.memo.clear()
         return got
 
-    def terms(self, sample: Sequence[Arrival]) -> Terms:
+    def terms(self, sample: Sequence[Arrival], since: float | None = None) -> Terms:
+        """The sample's terms; the prefill replay runs its arrivals from `since` on (at least
+        its last MIN_ARRIVALS): the stretch whose rate the forecast measured."""
         n = len(sample)
+        timed = n >= MIN_ARRIVALS and all(a.at_s is not None for a in sample)
+        window = {}
+        if timed:
+            sample = sorted(sample, key=lambda a: a.at_s)
+            times = [a.at_s for a in sample]
+            first = min(bisect.bisect_left(times, since) if since is not None else 0, n - MIN_ARRIVALS)
+            window = {"start": times[first], "own_rate": sample_rate(times[first:], n - first)}
         if self.max_kv_tokens:
             sample = [a for a in sample if a.prompt_len + a.output_len <= self.max_kv_tokens]
         kept = len(sample) / n if n else 1.0
@@ -150,16 +170,30 @@ class PoolModel:
                      kv_tokens=_resident_mean([a.prompt_len + a.output_len for a in sample], sample),
                      service_mean=mean,
                      service_cv2=statistics.pvariance(service) / (mean * mean) if mean > 0 else 0.0,
-                     kept=kept, neighbours=_weighted_points(contexts, [max(a.output_len, 1) for a in sample]))
+                     kept=kept, neighbours=_weighted_points(contexts, [max(a.output_len, 1) for a in sample]),
+                     own_rate=window.get("own_rate", 0.0),
+                     replay=[(a.at_s, r[0], r[1]) for a, r in zip(sample, rows, strict=True)
+                             if a.at_s >= window["start"]] if window.get("own_rate") else [])
 
     # ---- prefill --------------------------------------------------------------------------
     def prefill_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
+        key = ("prefill", workers, rate, correction, self.arrival_cv2)
+        got = t._seen.get(key)
+        if got is None:
+            got = t._seen[key] = self._prefill_attainment(workers, rate, t, correction)
+        return got
+
+    def _prefill_attainment(self, workers: int, rate: float, t: Terms, correction: float) -> float:
         if not t.service:
             return t.kept
         mean = correction * t.service_mean
         a = rate * t.kept * mean  # the refused never queue
         if a >= workers:
             return 0.0
+        if t.replay and rate > 0:  # the arrivals as they came, at this rate
+            if t.backlog and "backlogged" not in t._seen:
+                t._seen["backlogged"] = with_backlog(t.replay, t.backlog, t.service_mean)
+            return t.kept * replay_met(t._seen.get("backlogged", t.replay), workers, rate / t.own_rate, correction)
         wait = erlang_c(workers, a)
         theta = (workers - a) / mean / max((self.arrival_cv2 + t.service_cv2) / 2, 1e-3)
         return t.kept * sum(1 - wait * math.exp(-theta * (slo - correction * s))
@@ -194,6 +228,13 @@ class PoolModel:
         return b, itl
 
     def decode_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
+        key = ("decode", workers, rate, correction, self.hold_s)
+        got = t._seen.get(key)
+        if got is None:
+            got = t._seen[key] = self._decode_attainment(workers, rate, t, correction)
+        return got
+
+    def _decode_attainment(self, workers: float, rate: float, t: Terms, correction: float) -> float:
         """The share of requests whose TPOT meets its SLO. The router sends a sequence to the
         least loaded decode worker, so a request shares its worker only when the pool holds more
         sequences than workers, and then briefly: with N ~ Poisson(b x workers) others in the
@@ -230,13 +271,17 @@ class PoolModel:
                                for ctx in points)
         return t.kept * (t.single + met) / len(t.outputs)
 
+    def decode_reachable(self, t: Terms, correction: float = 1.0) -> float:
+        """The share that meets its TPOT SLO decoding alone: what any pool size can reach."""
+        return self._meets(1.0, t, correction) if t.outputs else t.kept
+
     def decode_workers(self, rate: float, t: Terms, target: float, correction: float = 1.0,
                        limit: int = 100_000, trust: bool = True) -> int:
         """The fewest workers whose predicted TPOT attainment reaches `target` of what a batch of
         one reaches (a short output behind a long KV transfer may miss it however many there are)."""
         if rate <= 0 or not t.outputs:
             return 1
-        reachable = self._meets(1.0, t, correction)
+        reachable = self.decode_reachable(t, correction)
         goal = min(target * reachable, reachable - REACH_MARGIN)
         return _fewest(_enough(lambda d: self.decode_attainment(d, rate, t, correction), goal, trust), 1, limit)
 
