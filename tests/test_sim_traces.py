@@ -80,7 +80,7 @@ def test_pool_models_match_the_simulator_on_the_mooncake_trace():
     from pdserve.sim.command import default_profile
     from pdserve.sim.search import mean_rate, pool_model, scale_trace, simulate, sized_split
     from router.planner import Arrival, StaticPlanner
-    from router.planner.sla import arrival_cv2
+    from router.planner.arrivals import arrival_cv2
 
     settings = SimSettings(profile=StepCostModel.load(default_profile()))
     reqs = load_trace(_need("conversation_trace.jsonl"))

@@ -23,12 +23,6 @@ from collections.abc import Sequence
 MIN_ARRIVALS = 32  # fewer timed arrivals: too few to show the process; the formula decides
 
 
-def sample_rate(times: Sequence[float], count: int) -> float:
-    """Arrivals per second of a sample spanning `times` (`count` arrivals, refused ones too)."""
-    span = times[-1] - times[0] if times else 0.0
-    return (count - 1) / span if span > 0 and count > 1 else 0.0
-
-
 def with_backlog(arrivals: list[tuple[float, float, float]], backlog: int, service_s: float,
                  ) -> list[tuple[float, float, float | None]]:
     """The arrivals with `backlog` queued requests (no first token yet when the plan is made)

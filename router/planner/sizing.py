@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdcommon.step_cost import StepCostModel
+from router.planner.arrivals import sample_rate
 from router.planner.base import Arrival
-from router.planner.replay import MIN_ARRIVALS, replay_met, sample_rate, with_backlog
+from router.planner.replay import MIN_ARRIVALS, replay_met, with_backlog
 
 DIMINISHING, NEAR = 0.005, 0.05  # attainment that doubling a pool must still buy, near the goal
 REACH_MARGIN = 0.01  # attainment is approached only as pools grow without end: stop this short of it
@@ -96,6 +97,13 @@ class Terms:
     # Attainments already computed, by pool, workers, rate, correction and model: the planner tries
     # several splits of the misses per interval, which ask for the same points.
     _seen: dict = field(default_factory=dict)
+
+    def once(self, key: tuple, compute):
+        """What `compute` gives, computed once per key for this sample."""
+        got = self._seen.get(key)
+        if got is None:
+            got = self._seen[key] = compute()
+        return got
 
     def rooms(self, profile: StepCostModel, correction: float) -> list[float]:
         """Sorted: the step time each request can spend on the rest of its batch. A step is
@@ -177,11 +185,8 @@ class PoolModel:
 
     # ---- prefill --------------------------------------------------------------------------
     def prefill_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
-        key = ("prefill", workers, rate, correction, self.arrival_cv2)
-        got = t._seen.get(key)
-        if got is None:
-            got = t._seen[key] = self._prefill_attainment(workers, rate, t, correction)
-        return got
+        return t.once(("prefill", workers, rate, correction, self.arrival_cv2),
+                      lambda: self._prefill_attainment(workers, rate, t, correction))
 
     def _prefill_attainment(self, workers: int, rate: float, t: Terms, correction: float) -> float:
         if not t.service:
@@ -228,11 +233,8 @@ class PoolModel:
         return b, itl
 
     def decode_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
-        key = ("decode", workers, rate, correction, self.hold_s)
-        got = t._seen.get(key)
-        if got is None:
-            got = t._seen[key] = self._decode_attainment(workers, rate, t, correction)
-        return got
+        return t.once(("decode", workers, rate, correction, self.hold_s),
+                      lambda: self._decode_attainment(workers, rate, t, correction))
 
     def _decode_attainment(self, workers: float, rate: float, t: Terms, correction: float) -> float:
         """The share of requests whose TPOT meets its SLO. The router sends a sequence to the

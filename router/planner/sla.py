@@ -24,6 +24,7 @@ from collections import deque
 
 from pdcommon.config import PlannerSection
 from pdcommon.step_cost import StepCostModel
+from router.planner.arrivals import arrival_cv2, burst_rate
 from router.planner.base import Arrival, Decision, Observation
 from router.planner.forecast import FORECASTERS
 from router.planner.sizing import PoolModel, Slos, Terms
@@ -34,7 +35,6 @@ POOLS = ("prefill", "decode")
 SAMPLE = 4096  # recent arrivals kept for the length mix
 SAMPLE_MIN, SAMPLE_AGE_INTERVALS = 128, 4
 CORRECTION_RANGE = (0.5, 4.0)
-BURST_WINDOW_S = 5.0
 OFFSET_LIMIT = 0.3
 # The offset is a model's bias, which drifts slowly, while one block's attainment swings with
 # its few dozen requests (a burst of long contexts): blocks weigh by their requests, fade by
@@ -52,35 +52,6 @@ GOAL_RANGE = (0.5, 0.99)
 # the best fixed split meets 92% TTFT and 97% TPOT.
 MISS_SHARES = (0.5, 0.4, 0.6, 0.3, 0.7, 0.2, 0.8, 0.1, 0.9)  # the even split first: it wins ties
 LIGHT_LOAD = 0.5  # utilization under which observed latency corrects the profile
-CV2_RANGE = (0.5, 16.0)
-
-
-def burst_rate(times: list[float], start: float, end: float) -> float:
-    """The arrival rate a typical request of [start, end) meets: over BURST_WINDOW_S windows,
-    weighted by arrivals (sum c^2 / sum c / W), less the request itself. Poisson arrivals give
-    about the mean; on/off bursts give the rate while on. A decode batch lives about as long as
-    a window, so this, and not the mean, is the rate its Little's law sees."""
-    n = int((end - start) // BURST_WINDOW_S)
-    inside = [t for t in times if start <= t < end]
-    if n < 2 or not inside:
-        return len(inside) / max(end - start, 1e-9)
-    counts = [0] * n
-    for t in inside:
-        counts[min(n - 1, int((t - start) // BURST_WINDOW_S))] += 1
-    seen = sum(c * c for c in counts) / len(inside) / BURST_WINDOW_S
-    return max(seen - 1 / BURST_WINDOW_S, len(inside) / (end - start))
-
-
-def arrival_cv2(sample) -> float:
-    """Squared coefficient of variation of the gaps between arrivals (1 for Poisson; bursts
-    raise it, and with it the queueing model's waits)."""
-    times = sorted(a.at_s for a in sample if a.at_s is not None)
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    if len(gaps) < 20:
-        return 1.0
-    mean = statistics.fmean(gaps)
-    cv2 = statistics.pvariance(gaps) / (mean * mean) if mean > 0 else 1.0
-    return min(max(cv2, CV2_RANGE[0]), CV2_RANGE[1])
 
 
 class SlaPlanner:
