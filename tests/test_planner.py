@@ -313,3 +313,15 @@ def test_one_bad_block_moves_the_offset_little():
         if i == 1:
             assert p.offset["prefill"] > -0.2, p.offset
     assert p.offset["prefill"] < -0.2 and p.correction["prefill"] == pytest.approx(1.0, abs=0.05), p.offset
+
+
+def test_steady_forecast_learns_that_bursts_fade():
+    """A burst every tenth interval, over by the next: the forecast a minute ahead learns to
+    stay near the window's rate, while with no such history a jump is followed at once."""
+    f, g = Steady(), Steady()
+    for i in range(120):
+        f.observe((i + 1) * INTERVAL, 50.0 if i % 10 == 9 else 10.0)  # the last one is a burst
+        g.observe((i + 1) * INTERVAL, 10.0 if i < 119 else 50.0)
+    assert f.predict(120 * INTERVAL + 60) < 25.0 and f.persistence < 0.3, (f.predict(120 * INTERVAL + 60),
+                                                                           f.persistence)
+    assert g.predict(120 * INTERVAL + 60) == pytest.approx(50.0, rel=0.05)

@@ -79,26 +79,65 @@ class Steady:
     mean (_dispersion): otherwise every burst ends the stretch, and the pools chase bursts that are over
     before a new worker is up. A step well beyond the traffic's own swings still ends it. A
     ramp is followed as a run of short steps. Each interval's duration is the time since the
-    one before (the first one's, the second's)."""
+    one before (the first one's, the second's).
+
+    How far a new stretch's rate is trusted over the window's is learned (`persistence`): past
+    forecasts are scored against the rate that came one horizon later. Steps that last (a
+    load step) keep it near 1; bursts over within a minute (the Azure code trace's) bring it
+    toward 0, and the forecast toward the window's rate: a pool grown for a burst that ends
+    before its workers are up is only held through the scale-down window."""
 
     def __init__(self, window_s: float = 600.0, z: float = 2.0) -> None:
         self.window_s, self.z = window_s, z
         self.seen: deque[tuple[float, float]] = deque()  # (end time, rate), newest last
         self.rate, self.start = 0.0, None
+        self.window_rate, self.window_start = 0.0, None
         self.dispersion = 1.0
+        self.t: float | None = None
+        self.past: deque[tuple[float, float, float]] = deque()  # (time, rate, dt) of every interval, an hour
+        self.made: deque[tuple[float, float, float]] = deque()  # (time, stretch rate, window rate) then
+        self.persistence = 1.0
 
     def observe(self, t: float, rate: float) -> None:
+        self.past.append((t, rate, t - self.t if self.t is not None else 0.0))
+        self.t = t
+        while self.past and t - self.past[0][0] > MEMORY_S:
+            self.past.popleft()
         self.seen.append((t, rate))
         while len(self.seen) > 2 and t - self.seen[1][0] >= self.window_s:
             self.seen.popleft()
         counts = self._counts()
         self.dispersion = _dispersion(counts)
+        self.window_rate = sum(c for c, _ in counts) / sum(s for _, s in counts)
+        self.window_start = t - sum(s for _, s in counts)
+        self._stretch(t, counts)
+        self.made.append((t, self.rate, self.window_rate))
+        while self.made and t - self.made[0][0] > MEMORY_S:
+            self.made.popleft()
+
+    def _stretch(self, t: float, counts: list[tuple[float, float]]) -> None:
         self.rate, self.start = counts[0][0] / counts[0][1], t - counts[0][1]
         for w in range(2, len(counts) + 1):
             n, d = sum(c for c, _ in counts[:w]), sum(s for _, s in counts[:w])
             if not self._explains(n / d, counts[:w - 1]):
                 return
             self.rate, self.start = n / d, t - d
+
+    def _learn(self, horizon: float) -> float:
+        """The least-squares weight p in (came - window) = p (stretch - window), relative to the
+        window's rate, over past forecasts a horizon old; PERSISTENCE_PRIOR of full persistence
+        holds it at 1 until jumps have been seen to fade."""
+        num = den = PERSISTENCE_PRIOR
+        for at, stretch, window in self.made:
+            if at + horizon > (self.t or at) or window <= 0:
+                break
+            got = [(r, dt) for end, r, dt in self.past if at < end <= at + horizon and dt > 0]
+            span = sum(dt for _, dt in got)
+            if span <= 0:
+                continue
+            x, y = (stretch - window) / window, (sum(r * dt for r, dt in got) / span - window) / window
+            num, den = num + x * y, den + x * x
+        return min(max(num / den, 0.0), 1.0)
 
     def _counts(self) -> list[tuple[float, float]]:
         """(arrivals, seconds) per interval, newest first."""
@@ -120,12 +159,16 @@ class Steady:
         return True
 
     def predict(self, t: float) -> float:
-        return self.rate
+        self.persistence = self._learn(max(t - (self.t or t), 1e-9))
+        return self.window_rate + self.persistence * (self.rate - self.window_rate)
 
     def since(self) -> float | None:
-        return self.start
+        """The stretch while its jumps are trusted; the window once they are seen to fade."""
+        return self.start if self.persistence >= 0.5 else self.window_start
 
 
+MEMORY_S = 3600.0  # how long past forecasts are remembered for learning persistence
+PERSISTENCE_PRIOR = 0.5  # in squared relative jumps: a couple of 50% jumps that lasted
 CHI2_1_Q75 = 1.3233  # the upper quartile of a chi-square with one degree of freedom
 
 
