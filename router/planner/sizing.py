@@ -88,11 +88,10 @@ class Terms:
     # neighbour lets it meet, and long-context traces are heavy-tailed.
     neighbours: list[float] = field(default_factory=list)
     # What the prefill replay runs: the kept requests of the replay window as (arrival time,
-    # service, TTFT SLO), in order, and the window's arrival rate (refused ones too). Empty when
-    # the sample is not timed.
-    replay: list[tuple[float, float, float]] = field(default_factory=list)
+    # service, TTFT SLO), in order, with the backlog's work among them (SLO None), and the
+    # window's arrival rate (refused ones too). Empty when the sample is not timed.
+    replay: list[tuple[float, float, float | None]] = field(default_factory=list)
     own_rate: float = 0.0
-    backlog: int = 0  # requests queued now (no first token yet): work ahead of the replayed ones
     _rooms: dict = field(default_factory=dict)
     # Attainments already computed, by pool, workers, rate, correction and model: the planner tries
     # several splits of the misses per interval, which ask for the same points.
@@ -150,9 +149,10 @@ class PoolModel:
                 self.memo.clear()
         return got
 
-    def terms(self, sample: Sequence[Arrival], since: float | None = None) -> Terms:
+    def terms(self, sample: Sequence[Arrival], since: float | None = None, backlog: int = 0) -> Terms:
         """The sample's terms; the prefill replay runs its arrivals from `since` on (at least
-        its last MIN_ARRIVALS): the stretch whose rate the forecast measured."""
+        its last MIN_ARRIVALS): the stretch whose rate the forecast measured, behind `backlog`
+        requests queued now (no first token yet)."""
         n = len(sample)
         timed = n >= MIN_ARRIVALS and all(a.at_s is not None for a in sample)
         window = {}
@@ -180,8 +180,9 @@ class PoolModel:
                      service_cv2=statistics.pvariance(service) / (mean * mean) if mean > 0 else 0.0,
                      kept=kept, neighbours=_weighted_points(contexts, [max(a.output_len, 1) for a in sample]),
                      own_rate=window.get("own_rate", 0.0),
-                     replay=[(a.at_s, r[0], r[1]) for a, r in zip(sample, rows, strict=True)
-                             if a.at_s >= window["start"]] if window.get("own_rate") else [])
+                     replay=with_backlog([(a.at_s, r[0], r[1]) for a, r in zip(sample, rows, strict=True)
+                                          if a.at_s >= window["start"]], backlog, mean)
+                     if window.get("own_rate") else [])
 
     # ---- prefill --------------------------------------------------------------------------
     def prefill_attainment(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> float:
@@ -196,9 +197,7 @@ class PoolModel:
         if a >= workers:
             return 0.0
         if t.replay and rate > 0:  # the arrivals as they came, at this rate
-            if t.backlog and "backlogged" not in t._seen:
-                t._seen["backlogged"] = with_backlog(t.replay, t.backlog, t.service_mean)
-            return t.kept * replay_met(t._seen.get("backlogged", t.replay), workers, rate / t.own_rate, correction)
+            return t.kept * replay_met(t.replay, workers, rate / t.own_rate, correction)
         wait = erlang_c(workers, a)
         theta = (workers - a) / mean / max((self.arrival_cv2 + t.service_cv2) / 2, 1e-3)
         return t.kept * sum(1 - wait * math.exp(-theta * (slo - correction * s))

@@ -112,9 +112,8 @@ class SlaPlanner:
         # prefill replay keeps (router/planner/replay.py), and decode plans for the rate its
         # requests meet in them, scaled as the replay is.
         rate = self.forecaster.predict(now + cfg.interval_s + cfg.startup_s)
-        pt, dt = self.prefill_model.terms(sample, self.forecaster.since()), self.decode_model.terms(sample)
-        pt.backlog = obs.waiting
         since = self.forecaster.since()
+        pt, dt = self.prefill_model.terms(sample, since, backlog=obs.waiting), self.decode_model.terms(sample)
         timed = [a.at_s for a in sample if a.at_s is not None]
         burst = burst_rate(timed, since if since is not None else now - cfg.interval_s, now)
         scale = rate / pt.own_rate if pt.own_rate > 0 else 1.0
