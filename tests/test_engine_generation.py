@@ -308,7 +308,7 @@ def test_gemm_layouts_match_hf(stories_path, random_models, arch, layout):
 
 
 def test_gemm_layout_resolution(stories_path):
-    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "mkl"
+    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "onednn"
     assert LLMEngine(EngineConfig(model=stories_path, dtype="float16", cpu_gemm="onednn")).gemm_layout == "mkl"
     with pytest.raises(ValueError, match="cpu_gemm"):
         EngineConfig(model=stories_path, cpu_gemm="fast")
