@@ -31,15 +31,14 @@ class EngineConfig:
     max_model_len: int | None = None
     # torch compute threads; None leaves torch's default (all cores). Workers sharing a host set 1.
     num_threads: int | None = None
-    # CPU GEMMs of the linear layers. "onednn": W packed for oneDNN, vLLM's CPU layout. "mkl": W
-    # transposed for MKL. "both": oneDNN from two rows on, MKL for one, at twice the weights'
-    # memory. oneDNN is the default because it is never much slower and often far faster: on an
-    # Intel AVX-512 host the three were within 5% at decode batches 1-16 and prompts 128-2048
-    # (oneDNN 8% slower at one row, up to 1.3x faster from 8 rows under a noisy neighbour); on an
-    # AMD EPYC host (AVX2), where MKL's small-row kernels are slow, oneDNN runs the 50M model's
-    # linears 2.1-2.8x faster at 2-32 rows and as fast at one row and at 512. Only for
-    # float32/bfloat16 on the CPU with oneDNN; elsewhere "mkl" runs.
-    cpu_gemm: GemmLayout = "onednn"
+    # CPU GEMMs of the linear layers. "both": oneDNN (vLLM's CPU layout) from 2 to 128 rows, MKL
+    # for one row and for more than 128, at twice the linear weights' memory. "onednn": oneDNN
+    # only, one copy. "mkl": W transposed for MKL, one copy. On an AMD EPYC host (AVX2) MKL's
+    # small-row GEMMs are slow: oneDNN runs the 50M model's linears 1.1-1.7x faster at 2-128 rows,
+    # MKL is 3-11% faster from 200 rows on and they tie at one. On an Intel AVX-512 host the
+    # layouts were within 5% when quiet. Only for float32/bfloat16 on the CPU with oneDNN;
+    # elsewhere "mkl" runs.
+    cpu_gemm: GemmLayout = "both"
     seed: int = 0
     # Device emulation, off by default: every engine step also sleeps this many seconds per token
     # it computes, standing in for a slower accelerator. On a small CPU machine compute stops

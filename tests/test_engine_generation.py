@@ -307,8 +307,37 @@ def test_gemm_layouts_match_hf(stories_path, random_models, arch, layout):
         assert abs(out["logprobs"][0] - ref["logprobs"][0]) < 1e-4
 
 
+def test_onednn_row_counts_are_bucketed():
+    """oneDNN compiles a kernel per GEMM shape and caches 1024: a served engine, which sees every
+    row count up to its token budget, must reuse a few padded sizes or it recompiles each step."""
+    from engine.model import ONEDNN_MAX_ROWS, Linear, gemm_rows
+
+    sizes = {gemm_rows(m) for m in range(1, 8193)}
+    assert len(sizes) <= 80 and all(gemm_rows(m) >= m for m in range(1, 8193))
+    assert all(gemm_rows(m) <= 1.125 * m for m in range(64, 8193))  # padding stays cheap
+    assert [gemm_rows(m) for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    torch.manual_seed(0)
+    both, one = Linear(64, 96, bias=True), Linear(64, 96, bias=True)
+    for lin in (both, one):
+        torch.nn.init.normal_(lin.weight_t)
+        torch.nn.init.normal_(lin.bias)
+    one.load_state_dict(both.state_dict())
+    ref = {m: torch.randn(m, 64) for m in (1, 3, 77, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 300)}
+    expected = {m: torch.addmm(both.bias, x, both.weight_t) for m, x in ref.items()}
+    both.pack(keep_mkl=True)
+    one.pack(keep_mkl=False)
+    with torch.inference_mode():
+        for m, x in ref.items():
+            for lin in (both, one):
+                y = lin(x)
+                assert y.shape == (m, 96) and y.is_contiguous()
+                torch.testing.assert_close(y, expected[m], rtol=1e-5, atol=1e-4)
+    assert [m in both.onednn_rows for m in ref] == [False, True, True, True, False, False]
+    assert all(m in one.onednn_rows for m in ref)
+
+
 def test_gemm_layout_resolution(stories_path):
-    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "onednn"
+    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "both"
     assert LLMEngine(EngineConfig(model=stories_path, dtype="float16", cpu_gemm="onednn")).gemm_layout == "mkl"
     with pytest.raises(ValueError, match="cpu_gemm"):
         EngineConfig(model=stories_path, cpu_gemm="fast")
