@@ -144,8 +144,12 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> Loade
 
 
 def choose_gemm_layout(requested: str, dtype: str, device: torch.device) -> str:
-    """The layout `requested` resolves to here: oneDNN packing needs oneDNN, the CPU and fp32/bf16."""
+    """The layout `requested` resolves to here: oneDNN packing needs oneDNN, the CPU and fp32, or
+    bf16 on a CPU with oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; AVX2
+    hosts have neither, and packing there raises)."""
     if device.type != "cpu" or dtype not in ("float32", "bfloat16") or not torch.backends.mkldnn.is_available():
+        return "mkl"
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return "mkl"
     return requested
 
