@@ -79,6 +79,8 @@ class RouterCore:
             return (f"worker serves model {info.model!r} (fingerprint {info.model_fingerprint[:12] or 'none'}), "
                     f"the router serves {self.model.name!r} ({self.model.fingerprint[:12]}): config.json or "
                     f"tokenizer differ")
+        if self.members.is_retired(info.worker_id, info.incarnation):
+            return f"worker {info.worker_id!r} was drained for a scale-down and is going away"
         held = self.members.workers.get(info.worker_id)
         if held is not None and held.address != info.address:
             # Never repoint a live worker's id: its owner is still heartbeating from `held.address`.

@@ -63,6 +63,9 @@ class WorkerRecord:
         return sum(self.queued.values())
 
 
+MAX_RETIRED = 4096  # retired processes remembered; a scale-down's pod is gone long before this many
+
+
 class Membership:
     def __init__(self, dead_after_s: float, channel_options: list | None = None,
                  identity: ClusterIdentity | None = None) -> None:
@@ -70,6 +73,10 @@ class Membership:
         self.dead_after_s = dead_after_s
         self.channel_options = channel_options or []
         self.workers: dict[str, WorkerRecord] = {}
+        # Workers this router drained for a scale-down: id -> incarnation. Until its launcher ends
+        # it (a pod's SIGTERM can come seconds later), such a process must not join again as new:
+        # its heartbeats are told to drain and its registrations are refused.
+        self.retired: dict[str, str] = {}
         self.changed = asyncio.Event()  # set on any capacity change; waiters clear and re-check
         self.on_leave: list[Callable[[WorkerRecord, str], None]] = []
 
@@ -131,6 +138,18 @@ class Membership:
         for fail in list(rec.inflight.values()):
             fail(grpc.StatusCode.UNAVAILABLE, f"{rec.role} worker {rec.worker_id} {why}")
         rec.inflight.clear()
+
+    def retire(self, worker_id: str) -> None:
+        """Drop a worker the router drained on purpose, and remember its process (see `retired`)."""
+        rec = self.workers.get(worker_id)
+        if rec is not None:
+            self.retired[worker_id] = rec.incarnation
+            while len(self.retired) > MAX_RETIRED:  # oldest first: dicts keep insertion order
+                del self.retired[next(iter(self.retired))]
+        self.drop(worker_id, "drained")
+
+    def is_retired(self, worker_id: str, incarnation: str) -> bool:
+        return worker_id in self.retired and self.retired[worker_id] == incarnation
 
     def drop(self, worker_id: str, why: str) -> None:
         rec = self.workers.pop(worker_id, None)

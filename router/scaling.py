@@ -94,7 +94,7 @@ class Scaler:
             if not rec.inflight:
                 break
             await members.wait_changed(0.5)
-        members.drop(worker_id, "drained")
+        members.retire(worker_id)
         try:
             await self.core.launcher.remove_worker(worker_id, role)
         except Exception:

@@ -75,8 +75,9 @@ class ControlService(wrpc.ControlServicer):
 
     async def Heartbeat(self, request: wpb.HeartbeatRequest, context) -> wpb.HeartbeatReply:
         rec = self.core.members.heartbeat(request.worker_id, request.status, request.incarnation)
-        if rec is None:
-            return wpb.HeartbeatReply(known=False)
+        if rec is None:  # a retired process is told to drain, so it does not register again
+            return wpb.HeartbeatReply(known=False, drain=self.core.members.is_retired(request.worker_id,
+                                                                                     request.incarnation))
         return wpb.HeartbeatReply(known=True, drain=rec.state == "draining")
 
     async def Leave(self, request: wpb.LeaveRequest, context) -> wpb.LeaveReply:

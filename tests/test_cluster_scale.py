@@ -70,3 +70,36 @@ def test_scale_decode_pool_while_streaming(stories_path, story, tmp_path):
             assert time.monotonic() < end, "drained workers were not removed"
             time.sleep(0.3)
         wait_pools_empty(client)
+
+
+def test_a_retired_worker_cannot_rejoin():
+    """A scale-down drops a drained worker at once, but its process lives until the launcher ends
+    it (a pod's SIGTERM may come seconds later). Its heartbeats must tell it to drain and its
+    registration be refused, or it joins again as a fresh worker and takes new requests."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pdcommon.v1 import worker_pb2 as wpb
+    from router.core import RouterCore
+    from router.membership import Membership
+    from router.service import ControlService
+
+    members = Membership(dead_after_s=5)
+    core = SimpleNamespace(members=members, cfg=SimpleNamespace(roles=("prefill", "decode"), mode="disaggregated"),
+                           model=SimpleNamespace(fingerprint="fp", name="m"))
+    info = wpb.WorkerInfo(worker_id="decode-0", role="decode", address="127.0.0.1:9", incarnation="one",
+                          model_fingerprint="fp")
+
+    async def main() -> tuple:
+        control = ControlService(core, scaler=None)
+        members.register(info)
+        members.retire("decode-0")
+        gone = await control.Heartbeat(wpb.HeartbeatRequest(worker_id="decode-0", incarnation="one"), None)
+        other = await control.Heartbeat(wpb.HeartbeatRequest(worker_id="decode-0", incarnation="two"), None)
+        return gone, other
+
+    gone, other = asyncio.run(main())
+    assert (gone.known, gone.drain) == (False, True)  # go away; do not register again
+    assert (other.known, other.drain) == (False, False)  # a new process under that id may join
+    assert "scale-down" in RouterCore.check_worker(core, info)
+    assert "decode-0" not in members.workers
