@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import DecoderModel, Linear, rope_tables
+from engine.model import ONEDNN_MAX_ROWS, DecoderModel, Linear, gemm_rows, rope_tables
 from engine.model_meta import (
     ModelLoadError,
     ModelSpec,
@@ -159,6 +159,14 @@ def pack_linears(net: DecoderModel, layout: str) -> None:
     if layout == "mkl":
         return
     with torch.inference_mode():
+        warmed: set[tuple] = set()
         for m in net.modules():
             if isinstance(m, Linear):
                 m.pack(keep_mkl=layout == "both")
+                # Compile oneDNN's kernels for the decode-sized row counts now, once per weight
+                # shape: the first step at each new batch size would otherwise stall for it.
+                key = (tuple(m.packed.shape), m.bias is None, m.packed.dtype)  # packed: [out, in]
+                if key not in warmed:
+                    warmed.add(key)
+                    for rows in sorted({gemm_rows(r) for r in range(2, ONEDNN_MAX_ROWS + 1)}):
+                        m(torch.zeros(rows, m.packed.shape[1], dtype=m.packed.dtype, device=m.packed.device))
