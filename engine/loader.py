@@ -158,6 +158,7 @@ def pack_linears(net: DecoderModel, layout: str) -> None:
     """Give every linear layer its oneDNN copy ("onednn" drops the MKL one)."""
     if layout == "mkl":
         return
+    sizes = sorted({gemm_rows(r) for r in range(2, ONEDNN_MAX_ROWS + 1)})  # decode-sized row counts
     with torch.inference_mode():
         warmed: set[tuple] = set()
         for m in net.modules():
@@ -168,5 +169,5 @@ def pack_linears(net: DecoderModel, layout: str) -> None:
                 key = (tuple(m.packed.shape), m.bias is None, m.packed.dtype)  # packed: [out, in]
                 if key not in warmed:
                     warmed.add(key)
-                    for rows in sorted({gemm_rows(r) for r in range(2, ONEDNN_MAX_ROWS + 1)}):
+                    for rows in sizes:
                         m(torch.zeros(rows, m.packed.shape[1], dtype=m.packed.dtype, device=m.packed.device))

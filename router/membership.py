@@ -149,7 +149,7 @@ class Membership:
         self.drop(worker_id, "drained")
 
     def is_retired(self, worker_id: str, incarnation: str) -> bool:
-        return worker_id in self.retired and self.retired[worker_id] == incarnation
+        return self.retired.get(worker_id) == incarnation
 
     def drop(self, worker_id: str, why: str) -> None:
         rec = self.workers.pop(worker_id, None)
