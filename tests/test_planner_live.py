@@ -41,8 +41,9 @@ PHASES = [  # (name, seconds, rate, prompt tokens, output tokens)
 # from 3 to 1 takes two steps, each after scale_down_window_s (24) of plans that need fewer and
 # cooldown_s (9) apart. Before them the forecast must let go of the output-heavy phase (10-40 s
 # here), and the decode correction learnt while six workers shared two cores (1.5-2x) must come
-# down, which takes blocks of the quiet phase's finished requests; local runs were back at one
-# 15-45 s after the load. The loop stops as soon as they are, so the allowance costs nothing.
+# down, which takes blocks of the quiet phase's finished requests; two local runs were back at
+# one 31 and 35 s after the load. The loop stops as soon as they are, so the allowance costs
+# nothing.
 AFTER_S = 90
 
 

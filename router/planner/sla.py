@@ -25,7 +25,7 @@ from collections import deque
 from pdcommon.config import PlannerSection
 from pdcommon.step_cost import StepCostModel
 from router.planner.arrivals import arrival_cv2, burst_rate
-from router.planner.base import Arrival, Decision, Observation
+from router.planner.base import Arrival, Decision, Finished, Observation
 from router.planner.forecast import FORECASTERS
 from router.planner.sizing import PoolModel, Slos, Terms
 
@@ -238,7 +238,8 @@ class SlaPlanner:
         self.prev_rate = obs.rate
         if not steady:  # a burst's latency is queueing, not the profile
             return
-        saturated = self._decode_saturated(obs, current)
+        multi = [f for f in done if f.output_len > 1]
+        saturated = self._decode_saturated(obs, multi, current)
         self._offsets(obs, current, pt, dt, learn_decode=not saturated)
         prof_p, prof_d = self.prefill_model.profile, self.decode_model.profile
         chunk = self.prefill_model.chunk
@@ -253,7 +254,6 @@ class SlaPlanner:
                       if (p := prof_p.prefill_seconds(f.prompt_len, 0, chunk)) > 0]
             if ratios:
                 self._blend("prefill", statistics.median(ratios))
-        multi = [f for f in done if f.output_len > 1]
         if not multi or not current.get("decode") or saturated:
             return
         tpot = statistics.fmean(f.tpot_s for f in multi)
@@ -268,7 +268,7 @@ class SlaPlanner:
         predicted = prof_d.itl_seconds(1.0 + batch, ctx) + xfer
         self._blend("decode", tpot / predicted if predicted > 0 else 1.0)
 
-    def _decode_saturated(self, obs: Observation, current: dict[str, float]) -> bool:
+    def _decode_saturated(self, obs: Observation, multi: list[Finished], current: dict[str, float]) -> bool:
         """Whether the block asked more decode tokens per second of the pool than SATURATED of
         what the profile says it makes at its largest batch (as many sequences as the KV holds).
         Past that, sequences wait for room and their TPOT is mostly that wait, which neither the
@@ -277,8 +277,7 @@ class SlaPlanner:
         a 2.8x correction that then held three decode workers through the idle minute after it.
         (Blocks served while the pool was growing still teach: leaving them out as well cost the
         Azure code trace 5 points of TPOT attainment in the simulator.)"""
-        multi = [f for f in obs.finished if f.output_len > 1]
-        if not multi:
+        if not multi:  # the block's finished requests with decode steps
             return False
         prof = self.decode_model.profile
         ctx = max(round(statistics.fmean(f.prompt_len + f.output_len / 2 for f in multi)), 1)
