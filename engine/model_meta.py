@@ -118,13 +118,20 @@ def model_spec(cfg: dict, path: Path) -> ModelSpec:
 
 
 def load_tokenizer(path: Path):
-    """The fast tokenizer straight from tokenizer.json when there is one: AutoTokenizer resolves
-    the model config first, which imports torch, and the router must stay torch-free."""
-    from transformers import PreTrainedTokenizerFast
+    """The Rust tokenizer alone where it serves the folder exactly (engine/tokenizer.py: no
+    transformers import); else transformers' fast tokenizer straight from tokenizer.json
+    (AutoTokenizer resolves the model config first, which imports torch, and the router must stay
+    torch-free); AutoTokenizer only for slow tokenizers."""
+    from engine.tokenizer import load_fast
 
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ModelLoadError(f"no tokenizer (tokenizer.json / tokenizer.model / vocab.json) in {path}")
     try:
+        fast = load_fast(path)
+        if fast is not None:
+            return fast
+        from transformers import PreTrainedTokenizerFast
+
         if (path / "tokenizer.json").exists():
             return PreTrainedTokenizerFast.from_pretrained(path)
         from transformers import AutoTokenizer  # slow tokenizers only; importing it loads torch

@@ -25,6 +25,9 @@ class RouterActor:
         advertise_node_ip(self.cfg, "router")
         restore_priority(self.cfg.process.nice)  # before any thread starts: they inherit it
         self.launcher = RayLauncher(self.cfg, cluster_name)
+        r = self.cfg.router
+        if r.control_port:  # fixed before the first start (RayCluster): workers can start loading now
+            self.launcher.router_address = f"{r.advertise_host or r.control_host or r.host}:{r.control_port}"
         self.restarted = bool(self.launcher.adopt())
         self.server: RouterServer | None = None
 
@@ -51,17 +54,25 @@ class RouterActor:
         return self.server.control_address if self.server else ""
 
     def _run(self, coro, timeout_s: float):
-        assert self.host.loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self.host.loop).result(timeout_s)
+        loop = self.host.wait_loop(timeout_s)
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout_s)
 
     def start_pools(self, counts: dict[str, int], timeout_s: float = 300.0) -> dict[str, list[str]]:
-        """Launch the initial workers through the router's own launcher, wait until registered."""
+        """Launch the initial workers through the router's own launcher, wait until registered.
+        Callable before the router has started: where its control address is known in advance,
+        the workers start at once (their imports and model loading overlap the router's start,
+        ~1 s of `pdserve up`) and register as soon as it listens."""
 
         async def go() -> dict[str, list[str]]:
+            assert self.host.started is not None
+            if not self.launcher.router_address:
+                await asyncio.shield(self.host.started)
             ids: dict[str, list[str]] = {role: [] for role in counts}
             for role, n in counts.items():
                 for _ in range(n):
                     ids[role].append(await self.launcher.add_worker(role))
+            await asyncio.shield(self.host.started)  # raises if the router failed to start
+            assert self.server is not None
             await self.server.wait_ready(counts, timeout_s)
             return ids
 

@@ -69,11 +69,13 @@ class RayCluster:
         # Joining a cluster, the router stays on this node: its address is the one printed here.
         where = on_this_node() if joining else {}
         self.router = RouterActor.options(name=f"{self.name}-router", **where).remote(cfg, self.name)
+        counts = {role: self.cfg.pool(role).replicas for role in self.cfg.roles}
+        # Asked first: the workers start while the router does (its ports are fixed above).
+        pools = self.router.start_pools.remote(counts, timeout_s)
+        ray.get(pools, timeout=timeout_s + 30)
         self.address = ray.get(self.router.address.remote(120.0), timeout=180)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=60)
         self.control_address = ray.get(self.router.control_address.remote(), timeout=60)
-        counts = {role: self.cfg.pool(role).replicas for role in self.cfg.roles}
-        ray.get(self.router.start_pools.remote(counts, timeout_s), timeout=timeout_s + 30)
         return self.address
 
     def worker_pids(self) -> dict[str, int]:

@@ -22,6 +22,8 @@ class LoopHost:
         self._io_nice = io_nice
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
+        self.started: asyncio.Future | None = None  # on `loop`: the serve() address, once it has one
+        self._loop_ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
@@ -29,12 +31,15 @@ class LoopHost:
         async def main() -> None:
             self.loop = asyncio.get_running_loop()
             self.stop_event = asyncio.Event()
-            started = self.loop.create_future()
+            started = self.started = self.loop.create_future()
             started.add_done_callback(self._on_started)
+            self._loop_ready.set()
             try:
                 await self._make(self.stop_event, started)
             except BaseException as e:
                 self._error = e
+                if not started.done():
+                    started.set_exception(e)
                 self._ready.set()
                 raise
 
@@ -45,9 +50,17 @@ class LoopHost:
 
     def _on_started(self, fut: asyncio.Future) -> None:
         # Runs on the loop thread, after the server started (and a worker's engine thread with it).
+        if fut.exception() is not None:  # serve() failed: `wait` reports it
+            return
         lower_thread_priority(self._io_nice)
         self._address = fut.result()
         self._ready.set()
+
+    def wait_loop(self, timeout_s: float) -> asyncio.AbstractEventLoop:
+        """The running loop (to submit work to before serve() has started)."""
+        if not self._loop_ready.wait(timeout_s) or self.loop is None:
+            raise TimeoutError(f"event loop did not start within {timeout_s:.0f}s")
+        return self.loop
 
     def wait(self, timeout_s: float) -> str:
         if not self._ready.wait(timeout_s):
