@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import typing
 import warnings
 from pathlib import Path
@@ -356,10 +357,14 @@ def load_config(path: str | Path | None = None, **overrides) -> ClusterConfig:
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.exists():
+        if str(path) == "-":  # on standard input (`up --launcher process` hands its workers its own)
+            text = sys.stdin.read()
+        elif not p.exists():
             raise FileNotFoundError(f"config file {p} not found")
+        else:
+            text = p.read_text()
         # ${VAR} in the YAML expands from the environment (e.g. the pod IP under Kubernetes).
-        data = yaml.safe_load(os.path.expandvars(p.read_text())) or {}
+        data = yaml.safe_load(os.path.expandvars(text)) or {}
     _migrate(data)
     for key, value in overrides.items():
         set_dotted(data, key, value)

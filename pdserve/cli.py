@@ -73,8 +73,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.launch.cluster import RayCluster
 
     cfg = _config(args)
-    cluster = RayCluster(cfg)
     t0 = time.perf_counter()
+    if args.launcher == "process":
+        return _up_processes(cfg, t0)
+    cluster = RayCluster(cfg)
     try:
         try:
             addr = cluster.start()
@@ -84,19 +86,54 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"pdserve router ready at grpc://{addr}  ({pools} workers, {cfg.mode}, {cfg.transfer.transport} "
               f"transfer, {time.perf_counter() - t0:.1f}s)", flush=True)
         _print_placement(addr)
-        sec = cfg.security
-        where = {"token": f"cluster token in {sec.token_file}", "mtls": f"certificates in {sec.certs_dir}",
-                 "none": "NO authentication"}[sec.mode]
-        print(f"control plane at {cluster.control_address}  (security {sec.mode}: {where})", flush=True)
-        if cluster.http_address:
-            print(f"OpenAI-compatible HTTP at {cluster.http_address}/v1  (metrics: {cluster.http_address}/metrics)",
-                  flush=True)
-        print("press Ctrl-C to stop", flush=True)
+        _print_endpoints(cfg, cluster.control_address, cluster.http_address)
         _wait_for_signal()
     finally:
         print("stopping...", flush=True)
         cluster.stop()
     return 0
+
+
+def _up_processes(cfg, t0: float) -> int:
+    """`pdserve up --launcher process`: the router in this process, workers as its children."""
+    from pdcommon.priority import lower_thread_priority
+    from pdcommon.security import ClusterIdentity, SecurityConfigError, provision_token, remove_secret, token_path
+    from pdserve.launch.cluster import pin_ports
+    from pdserve.launch.processes import run_local
+
+    pin_ports(cfg)
+    r = cfg.router
+    try:
+        secret = provision_token(cfg.security, token_path(f"{r.advertise_host or r.host}:{r.port}"))
+        ClusterIdentity.from_config(cfg.security)
+    except SecurityConfigError as e:
+        raise SystemExit(f"error: {e}") from e
+
+    def ready(server) -> None:
+        lower_thread_priority(cfg.process.io_nice)  # this thread is the router's event loop now
+        pools = " + ".join(f"{cfg.pool(role).replicas} {role}" for role in cfg.roles)
+        print(f"pdserve router ready at grpc://{server.address}  ({pools} workers, {cfg.mode}, "
+              f"{cfg.transfer.transport} transfer, worker processes, {time.perf_counter() - t0:.1f}s)", flush=True)
+        for w in sorted(server.core.members.workers.values(), key=lambda w: (w.role, w.worker_id)):
+            print(f"  {w.role:9s} {w.worker_id:14s} on {w.address.rsplit(':', 1)[0]}  (serving {w.address})",
+                  flush=True)
+        _print_endpoints(cfg, server.control_address, server.core.http_address)
+
+    try:
+        return _run_async(lambda stop: run_local(cfg, stop, ready))
+    finally:
+        print("stopped", flush=True)
+        remove_secret(secret)
+
+
+def _print_endpoints(cfg, control_address: str, http_address: str) -> None:
+    sec = cfg.security
+    where = {"token": f"cluster token in {sec.token_file}", "mtls": f"certificates in {sec.certs_dir}",
+             "none": "NO authentication"}[sec.mode]
+    print(f"control plane at {control_address}  (security {sec.mode}: {where})", flush=True)
+    if http_address:
+        print(f"OpenAI-compatible HTTP at {http_address}/v1  (metrics: {http_address}/metrics)", flush=True)
+    print("press Ctrl-C to stop", flush=True)
 
 
 def _print_placement(router: str) -> None:
@@ -341,17 +378,17 @@ def _cmd_worker(args: argparse.Namespace, role: str) -> int:
     r = cfg.router
     router_addr = args.router or f"{r.advertise_host or r.control_host or r.host}:{r.control_port}"
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
-    if role == "prefill":
-        from prefill_worker import serve
-    else:
-        from decode_worker import serve
+    from pdserve.launch.processes import die_with_parent
+    from pdserve.launch.roles import serve_worker
+
+    die_with_parent()
 
     async def run(stop):
         started = asyncio.get_running_loop().create_future()
         started.add_done_callback(lambda f: print(f"{role} worker {worker_id} serving on {f.result()}", flush=True))
         # After start: the engine thread, started already, keeps its priority (pdcommon/priority.py).
         started.add_done_callback(lambda f: lower_thread_priority(cfg.process.io_nice))
-        await serve(cfg, worker_id, router_addr, stop, started)
+        await serve_worker(cfg, role, worker_id, router_addr, stop, started)
 
     return _run_async(run)
 
@@ -402,6 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-port", type=int, default=None, help="router control-plane port (overrides the YAML)")
     p.add_argument("--ray-address", default=None, help="join this running Ray cluster (default: RAY_ADDRESS, "
                    "else the YAML, else an embedded local one)")
+    p.add_argument("--launcher", choices=["ray", "process"], default="ray",
+                   help="ray: router and workers as Ray actors (one host or many); process: this machine only, "
+                   "the router in this process and each worker a child process (no Ray: starts in seconds)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("generate", help="stream a completion from a running router")
@@ -502,8 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=None)
     p.add_argument("--control-port", type=int, default=None)
     p.set_defaults(func=cmd_router)
-    for role in ("prefill", "decode"):
-        p = sub.add_parser(role, help=f"run one {role} worker alone (Kubernetes)")
+    for role in ("prefill", "decode", "colocated"):
+        p = sub.add_parser(role, help=f"run one {role} worker alone (Kubernetes, `up --launcher process`)")
         with_config(p)
         p.add_argument("--router", default=None, help="the router's control plane HOST:PORT (default: "
                        "router.control_port from the config)")

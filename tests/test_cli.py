@@ -116,6 +116,66 @@ def test_up_generate_status_scale_and_clean_stop(stories_path):
     assert not alive, f"processes left behind: {[p.cmdline()[:3] for p in alive]}"
 
 
+def _up_processes(tmp_path: Path) -> tuple[subprocess.Popen, str, list[str]]:
+    cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    cfg["heartbeat"] = {"interval_s": 0.5, "timeout_s": 2.0}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    up = subprocess.Popen([*PDSERVE, "up", "--launcher", "process", "--config", str(path), "--port", "0",
+                           "--http-port", "0", "--control-port", str(free_port("127.0.0.1"))],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = wait_line(up, "router ready at grpc://", timeout=60)
+    return up, line.split("grpc://")[1].split()[0], [line, wait_line(up, "cluster token in ")]
+
+
+def _children(up: subprocess.Popen) -> dict[str, psutil.Process]:
+    """`pdserve up`'s live worker processes by role (a killed one is a zombie until `up` reaps it)."""
+    out = {}
+    for p in psutil.Process(up.pid).children():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.cmdline()[2:3] == ["pdserve.cli"]:
+                out[p.cmdline()[3]] = p
+        except psutil.Error:  # gone meanwhile
+            continue
+    return out
+
+
+def test_up_with_worker_processes(stories_path, tmp_path):
+    """`pdserve up --launcher process`: no Ray; the router in `up`, each worker a child process.
+    It serves greedy tokens equal to transformers', replaces a worker that dies, stops cleanly,
+    and its workers do not outlive an `up` that is killed."""
+    up, addr, output = _up_processes(tmp_path)
+    try:
+        assert "worker processes" in output[0]
+        kids = _children(up)
+        assert sorted(kids) == ["decode", "prefill"]
+        ids = [1, 403, 407, 261, 378]  # "Once upon a time" with BOS
+        want = hf_greedy(stories_path, ids, 20)["token_ids"]
+        r = run_cli("generate", "--router", addr, "--max-tokens", "20", "--json", "Once upon a time")
+        assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["token_ids"] == want, r.stderr
+        _assert_secret_kept(up, output)
+        kids["decode"].kill()  # the router notices the silence and starts a replacement through the launcher
+        end = time.monotonic() + 60
+        while time.monotonic() < end and _children(up).get("decode", kids["decode"]).pid == kids["decode"].pid:
+            time.sleep(0.5)
+        r = run_cli("generate", "--router", addr, "--max-tokens", "20", "--json", "Once upon a time")
+        assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["token_ids"] == want, r.stderr
+        r = run_cli("status", "--router", addr)
+        assert "decode-1" in r.stdout and "decode-0" not in r.stdout
+    finally:
+        alive = stop(up)
+    assert up.returncode == 0
+    assert not alive, f"processes left behind: {[p.cmdline()[:4] for p in alive]}"
+
+    up, addr, output = _up_processes(tmp_path)
+    kids = list(_children(up).values())
+    assert len(kids) == 2
+    up.kill()
+    up.wait(10)
+    gone, alive = psutil.wait_procs(kids, timeout=40)
+    assert not alive, f"workers outlived a killed `pdserve up`: {[p.cmdline()[:4] for p in alive]}"
+
+
 def test_missing_model_names_the_fix():
     r = run_cli("up", "--model", "/nonexistent/model")
     assert r.returncode != 0 and "not found" in r.stderr and "--model" in r.stderr

@@ -15,6 +15,17 @@ from pdcommon.security import ClusterIdentity, provision_token, remove_secret, t
 log = logging.getLogger(__name__)
 
 
+def pin_ports(cfg: ClusterConfig) -> None:
+    """Replace the router's port-0 ("any free port") settings with concrete free ports, so that
+    workers can be told where the router's control plane is before it listens."""
+    r = cfg.router
+    for attr in ("port", "http_port", "control_port"):
+        if getattr(r, attr) == 0:
+            with socket.socket() as s:
+                s.bind((r.host, 0))
+                setattr(r, attr, s.getsockname()[1])
+
+
 class RayCluster:
     def __init__(self, cfg: ClusterConfig) -> None:
         self.cfg = cfg
@@ -29,12 +40,7 @@ class RayCluster:
     def _pin_ports(self) -> None:
         """Choose concrete ports now: a router that Ray restarts must come back where the workers
         and clients already look for it."""
-        r = self.cfg.router
-        for attr in ("port", "http_port", "control_port"):
-            if getattr(r, attr) == 0:
-                with socket.socket() as s:
-                    s.bind((r.host, 0))
-                    setattr(r, attr, s.getsockname()[1])
+        pin_ports(self.cfg)
 
     def start(self, timeout_s: float = 300.0) -> str:
         joining = (self.cfg.ray.address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")

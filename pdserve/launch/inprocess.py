@@ -34,7 +34,9 @@ class InProcessCluster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def start(self) -> InProcessCluster:
-        self._secret = provision_token(self.cfg.security, Path(tempfile.mkdtemp(prefix="pdserve-")) / "token")
+        sec = self.cfg.security
+        if sec.mode == "token" and not sec.token_file:  # a directory only for a token to write (removed with it)
+            self._secret = provision_token(sec, Path(tempfile.mkdtemp(prefix="pdserve-")) / "token")
         self.thread.start()
 
         async def up() -> str:
