@@ -177,12 +177,12 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                 finished = msg.HasField("tokens") and bool(msg.tokens.finish_reason) \
                     or msg.HasField("first") and bool(msg.first.finish_reason)
             while not finished:
-                out, index = await q.get()
+                out, index = await loop.next(q)
                 outs = [out]
                 # The engine got ahead: send what is ready in one message (a direct stream's items
                 # here are not consecutive: each keeps its own index).
-                while index is None and not outs[-1].finished and not q.empty():
-                    outs.append(q.get_nowait()[0])
+                while index is None and not outs[-1].finished and (item := loop.take_ready(q)) is not None:
+                    outs.append(item[0])
                 finished = outs[-1].finished
                 yield wpb.DecodeResponse(tokens=tokens_to_proto(outs, index=index or 0))
         finally:
@@ -205,7 +205,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                             bytes(request.token_key), count_first=not request.prefill_here)
 
     async def _first_local(self, rid: str, q: asyncio.Queue):
-        out, _ = await q.get()  # the timing rides on the output: no second trip to a busy engine thread
+        out, _ = await self.rt.engine_loop.next(q)  # the timing rides on the output: no trip to a busy engine thread
         yield wpb.DecodeResponse(first=first_token_to_proto(out, out.prefill_s))
 
     async def _first_imported(self, rid: str, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext,
@@ -227,7 +227,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(finish_reason=final.finish_reason or "stop",
                                                              text=final.text_delta, **kv))
             return
-        out, _ = await q.get()
+        out, _ = await self.rt.engine_loop.next(q)
         yield wpb.DecodeResponse(tokens=tokens_to_proto([out], **kv))
 
     def gauges(self) -> dict[str, int]:

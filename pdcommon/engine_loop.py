@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import LLMEngine, RequestOutput
+from pdcommon.grpc_server import ServiceUnavailable
 from pdcommon.token_stream import TokenChunk, TokenPusher, pack
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,11 @@ class DirectStream:
 # A stream's items: (output, index of its first token in the stream), the index set only for a
 # direct stream, whose outputs the router puts back in order.
 StreamItem = tuple[RequestOutput, "int | None"]
+_DEAD = object()  # put on every stream once the engine has stopped: `next` raises EngineDead
+
+
+class EngineDead(ServiceUnavailable):
+    """The engine thread stopped on an error: nothing more runs on this worker."""
 
 
 class EngineLoop:
@@ -51,12 +57,20 @@ class EngineLoop:
         self._stop = threading.Event()
         self.stats = engine.stats()
         self.steps = 0
+        self.error: BaseException | None = None  # what stopped the engine thread
+        self.on_death: Callable[[], None] | None = None  # called on the event loop when it stops
+        self._calls: set[asyncio.Future] = set()  # call() results not in yet (event-loop thread only)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Run fn(*args) on the engine thread; await the returned future for its result."""
         fut = self.loop.create_future()
+        if self.error is not None:
+            _fail(fut, self.dead_error())
+            return fut
+        self._calls.add(fut)
+        fut.add_done_callback(self._calls.discard)
 
         def run() -> None:
             try:
@@ -81,12 +95,45 @@ class EngineLoop:
 
     def open_stream(self, request_id: str, direct: DirectStream | None = None) -> asyncio.Queue[StreamItem]:
         q: asyncio.Queue[StreamItem] = asyncio.Queue()
+        if self.error is not None:
+            q.put_nowait(_DEAD)  # type: ignore[arg-type]
         self._streams[request_id] = q
         if direct is not None:
             self._direct[request_id] = direct
         else:
             self._direct.pop(request_id, None)
         return q
+
+    async def next(self, q: asyncio.Queue[StreamItem]) -> StreamItem:
+        """The stream's next item; EngineDead once the engine has stopped."""
+        item = await q.get()
+        if item is _DEAD:
+            q.put_nowait(item)  # every later read fails the same way
+            raise self.dead_error()
+        return item
+
+    def take_ready(self, q: asyncio.Queue[StreamItem]) -> StreamItem | None:
+        """The stream's next item if one is waiting already (the engine's stop is left for `next`)."""
+        if q.empty():
+            return None
+        item = q.get_nowait()
+        if item is _DEAD:
+            q.put_nowait(item)
+            return None
+        return item
+
+    def dead_error(self) -> EngineDead:
+        return EngineDead(f"engine stopped: {self.error!r}")
+
+    def _fail_all(self) -> None:
+        """Event loop, once the engine thread has stopped: whatever waits on it fails now."""
+        err = self.dead_error()
+        for fut in list(self._calls):
+            _fail(fut, err)
+        for q in self._streams.values():
+            q.put_nowait(_DEAD)  # type: ignore[arg-type]
+        if self.on_death is not None:
+            self.on_death()
 
     def close_stream(self, request_id: str, q: asyncio.Queue[StreamItem]) -> None:
         """Stop delivering to q; a newer stream opened under the same id (a retry) stays."""
@@ -148,9 +195,13 @@ class EngineLoop:
                 continue
             try:
                 outputs = eng.step()
-            except Exception:
-                log.exception("engine step failed")
-                raise
+            except Exception as e:
+                # The engine's state is unknown from here: nothing more runs on it. Streams and
+                # calls fail UNAVAILABLE, so the router retries them on other workers.
+                log.exception("engine step failed: this worker stops serving")
+                self.error = e
+                self.loop.call_soon_threadsafe(self._fail_all)
+                break
             self.steps += 1
             self.stats = eng.stats()
             items = self._route(outputs) if self._direct else [(out, None) for out in outputs]
@@ -172,3 +223,11 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _fail(fut: asyncio.Future, err: BaseException) -> None:
+    """Fail a call's future, marked as seen: callers that fire and forget (an abort on the way
+    out) would otherwise each log "exception never retrieved" once the engine has stopped."""
+    if not fut.done():
+        fut.set_exception(err)
+        fut.exception()

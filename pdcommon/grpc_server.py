@@ -47,11 +47,19 @@ async def _refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request message ({request.error})")
 
 
+class ServiceUnavailable(RuntimeError):
+    """Raised in a handler: this server can no longer serve the call (its engine stopped). The call
+    fails UNAVAILABLE, which the router takes as "drop this worker, retry elsewhere"."""
+
+
 def _unary(fn):
     async def handle(request, context):
         if isinstance(request, Malformed):
             await _refuse(request, context)
-        return await fn(request, context)
+        try:
+            return await fn(request, context)
+        except ServiceUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
     return handle
 
 
@@ -59,8 +67,11 @@ def _stream(fn):
     async def handle(request, context):
         if isinstance(request, Malformed):
             await _refuse(request, context)
-        async for msg in fn(request, context):
-            yield msg
+        try:
+            async for msg in fn(request, context):
+                yield msg
+        except ServiceUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
     return handle
 
 

@@ -50,6 +50,7 @@ class WorkerRuntime:
         self.service: object | None = None  # the role's gRPC servicer, for introspection
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
+        self._died = asyncio.Event()  # set by _engine_died
         self._hb_wake = threading.Event()  # a heartbeat now (the drain tells the router at once)
         self._drain_seen = threading.Event()  # the router knows this worker is draining (or forgot it)
         self.registered = False
@@ -69,6 +70,7 @@ class WorkerRuntime:
         # Loading takes seconds: keep the event loop free meanwhile.
         self.engine = await loop.run_in_executor(None, LLMEngine, ecfg)
         self.loop_ = EngineLoop(self.engine, loop)
+        self.loop_.on_death = self._engine_died
         self.server = make_server(self.cfg.router.max_request_bytes, self.identity.interceptors())
         add_servicer(self.server)
         port = self.identity.bind(self.server, f"{self.pool.host}:{self.pool.port}")
@@ -147,14 +149,31 @@ class WorkerRuntime:
                 self._hb_wake.wait(max(interval - (time.monotonic() - t0), 0.01))
                 self._hb_wake.clear()
 
+    def _engine_died(self) -> None:
+        """The engine thread stopped on an error (its streams fail UNAVAILABLE, so the router drops
+        this worker and retries them elsewhere). Heartbeats stop, so it is not taken back, and `run`
+        ends: the process exits, or its launcher replaces it."""
+        log.error("%s worker %s: engine stopped, leaving service", self.role, self.worker_id)
+        self.state = "failed"
+        self._hb_stop.set()
+        self._hb_wake.set()
+        self._died.set()
+
     async def run(self, add_servicer: Callable[[grpc.aio.Server], None], stop: asyncio.Event | None = None,
                   started: asyncio.Future | None = None) -> None:
-        """Start, report the address through `started`, serve until `stop` is set, then stop."""
+        """Start, report the address through `started`, serve until `stop` is set, then stop.
+        Raises EngineDead if the engine stops on an error first."""
         try:
             await self.start(add_servicer)
             if started is not None and not started.done():
                 started.set_result(self.address)
-            await (stop or asyncio.Event()).wait()
+            stopping = asyncio.ensure_future((stop or asyncio.Event()).wait())
+            dying = asyncio.ensure_future(self._died.wait())
+            await asyncio.wait({stopping, dying}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            dying.cancel()
+            if self._died.is_set():
+                raise self.engine_loop.dead_error()
             await self.drain(self.cfg.process.drain_timeout_s)
         finally:
             await self.stop()

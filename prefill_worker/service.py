@@ -83,7 +83,7 @@ class PrefillService(wrpc.PrefillWorkerServicer):
                                 list(request.resume_token_ids))
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            out, _ = await q.get()
+            out, _ = await loop.next(q)
             yield wpb.PrefillResponse(first=first_token_to_proto(out, out.prefill_s))
             if not out.finished:
                 await self._ship(rid, request)
