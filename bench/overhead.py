@@ -95,19 +95,42 @@ async def against(url: str) -> dict:
                 "rps_c16": await throughput(s, url, 16, 200), "rps_c64": await throughput(s, url, 64, 400)}
 
 
+def _against_processes() -> dict:
+    """The same measurements against `pdserve up --launcher process` (router in `up`, workers its
+    children), started here and stopped after."""
+    import signal
+    import subprocess
+
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--launcher", "process", "--config",
+                           "configs/local.yaml", "--model", str(MODEL), "--port", "0", "--http-port", "0",
+                           "--control-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True)
+    try:
+        url = next(line.split("HTTP at ")[1].split("/v1")[0] for line in up.stdout if "HTTP at " in line)
+        return asyncio.run(against(url))
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(120)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=str(OUT / "overhead.json"))
+    ap.add_argument("--launcher", choices=["ray", "process"], default="ray",
+                    help="how the cluster runs: Ray actors, or `pdserve up --launcher process`")
     args = ap.parse_args()
-    from pdcommon.config import load_config
-    from pdserve.launch.cluster import RayCluster
-
     step = engine_step_s()
-    cfg = load_config(ROOT / "configs" / "local.yaml", **{"model": str(MODEL), "router.port": 0,
-                                                           "router.http_port": 0})
-    with RayCluster(cfg) as cluster:
-        r = asyncio.run(against(cluster.http_address))
-    result = {"engine_step_s": step, **r, "stack_overhead": r["stream_itl_s"] / step - 1}
+    if args.launcher == "ray":
+        from pdcommon.config import load_config
+        from pdserve.launch.cluster import RayCluster
+
+        cfg = load_config(ROOT / "configs" / "local.yaml", **{"model": str(MODEL), "router.port": 0,
+                                                               "router.http_port": 0})
+        with RayCluster(cfg) as cluster:
+            r = asyncio.run(against(cluster.http_address))
+    else:
+        r = _against_processes()
+    result = {"launcher": args.launcher, "engine_step_s": step, **r, "stack_overhead": r["stream_itl_s"] / step - 1}
     print(f"engine step {step * 1e3:.2f} ms; stream ITL {r['stream_itl_s'] * 1e3:.2f} ms "
           f"(stack adds {100 * result['stack_overhead']:.0f}%); "
           f"1-token request p50 {r['one_token_p50_s'] * 1e3:.1f} ms; "
