@@ -21,9 +21,9 @@ import yaml
 
 from pdcommon.config import ClusterConfig
 from pdcommon.process_env import engine_process_env
+from pdserve.launch.roles import ROLES
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode", "colocated")
 
 
 class ProcessLauncher:

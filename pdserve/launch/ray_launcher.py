@@ -16,10 +16,10 @@ import ray
 from pdcommon.config import ClusterConfig
 from pdcommon.process_env import engine_process_env
 from pdserve.launch.placement import actor_options
+from pdserve.launch.roles import ROLES
 from pdserve.launch.worker_actor import WorkerActor
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode", "colocated")
 
 
 class RayLauncher:

@@ -7,6 +7,8 @@ from collections.abc import Coroutine
 
 from pdcommon.config import ClusterConfig
 
+ROLES = ("prefill", "decode", "colocated")
+
 
 def serve_worker(cfg: ClusterConfig, role: str, worker_id: str, router_address: str, stop: asyncio.Event | None = None,
                  started: asyncio.Future | None = None) -> Coroutine:
