@@ -99,6 +99,8 @@ class FastTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: bool | None = None) -> str:
+        if clean_up_tokenization_spaces is None:  # as transformers: the folder's setting, else off
+            clean_up_tokenization_spaces = bool(self._cfg.get("clean_up_tokenization_spaces", False))
         if clean_up_tokenization_spaces:  # transformers' own text clean-up: its code, not a copy
             return self._hf().decode(list(ids), skip_special_tokens=skip_special_tokens,
                                      clean_up_tokenization_spaces=True)

@@ -47,6 +47,16 @@ def test_fast_tokenizer_matches_transformers(stories_path):
     assert fast.decode(ids, clean_up_tokenization_spaces=True) == hf.decode(ids, clean_up_tokenization_spaces=True)
 
 
+def test_the_folders_clean_up_setting_applies_by_default(stories_path, tmp_path):
+    # (transformers ignores the setting for BPE tokenizers such as this one unless told twice)
+    path = _copy(stories_path, tmp_path / "m", clean_up_tokenization_spaces=True,
+                 clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True)
+    fast, hf = load_tokenizer(path), PreTrainedTokenizerFast.from_pretrained(path)
+    ids = fast("Hello , world ! It 's a test .", add_special_tokens=False).input_ids
+    assert isinstance(fast, FastTokenizer)
+    assert fast.decode(ids) == hf.decode(ids) != fast.decode(ids, clean_up_tokenization_spaces=False)
+
+
 def test_other_features_come_from_transformers(chat_model):
     fast, hf = load_tokenizer(Path(chat_model)), PreTrainedTokenizerFast.from_pretrained(chat_model)
     assert isinstance(fast, FastTokenizer) and fast.chat_template == hf.chat_template
