@@ -116,16 +116,22 @@ def test_up_generate_status_scale_and_clean_stop(stories_path):
     assert not alive, f"processes left behind: {[p.cmdline()[:3] for p in alive]}"
 
 
-def _up_processes(tmp_path: Path) -> tuple[subprocess.Popen, str, list[str]]:
+def _up_processes(tmp_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, str, list[str]]:
     cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     cfg["heartbeat"] = {"interval_s": 0.5, "timeout_s": 2.0}
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     up = subprocess.Popen([*PDSERVE, "up", "--launcher", "process", "--config", str(path), "--port", "0",
                            "--http-port", "0", "--control-port", str(free_port("127.0.0.1"))],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = wait_line(up, "router ready at grpc://", timeout=60)
-    return up, line.split("grpc://")[1].split()[0], [line, wait_line(up, "cluster token in ")]
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, **(env or {})})
+    try:
+        line = wait_line(up, "router ready at grpc://", timeout=60)
+        return up, line.split("grpc://")[1].split()[0], [line, wait_line(up, "cluster token in ")]
+    except BaseException:
+        up.kill()  # its workers follow it (PR_SET_PDEATHSIG)
+        up.wait(10)
+        raise
 
 
 def _children(up: subprocess.Popen) -> dict[str, psutil.Process]:
@@ -167,11 +173,18 @@ def test_up_with_worker_processes(stories_path, tmp_path):
     assert up.returncode == 0
     assert not alive, f"processes left behind: {[p.cmdline()[:4] for p in alive]}"
 
-    up, addr, output = _up_processes(tmp_path)
+    # A token given in the environment reaches the workers through the file `up` writes, not theirs.
+    secret = "env-token-" + "x" * 40
+    up, addr, output = _up_processes(tmp_path, {"PDSERVE_CLUSTER_TOKEN": secret})
     kids = list(_children(up).values())
-    assert len(kids) == 2
-    up.kill()
-    up.wait(10)
+    try:
+        assert len(kids) == 2
+        for k in kids:
+            assert secret not in Path(f"/proc/{k.pid}/environ").read_bytes().decode(errors="replace")
+        assert run_cli("status", "--router", addr).returncode == 0
+    finally:
+        up.kill()
+        up.wait(10)
     gone, alive = psutil.wait_procs(kids, timeout=40)
     assert not alive, f"workers outlived a killed `pdserve up`: {[p.cmdline()[:4] for p in alive]}"
 

@@ -21,6 +21,7 @@ import yaml
 
 from pdcommon.config import ClusterConfig
 from pdcommon.process_env import engine_process_env
+from pdcommon.security import TOKEN_ENV
 from pdserve.launch.roles import ROLES
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class ProcessLauncher:
         own = engine_process_env(self.cfg.engine_config(role).num_threads, self.cfg.process.tune_malloc)
         # Set from the process's first instruction (glibc reads its tunables only then): no re-exec.
         env = {**os.environ, **own, "PDSERVE_REEXEC": "1", "PDSERVE_PARENT_PID": str(os.getpid())}
+        env.pop(TOKEN_ENV, None)  # they read the token file up made: the secret stays out of their environment
         cmd = [sys.executable, "-m", "pdserve.cli", role, "--config", "-", "--router", self.router_address,
                "--worker-id", worker_id]
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stdin=subprocess.PIPE, text=True)
