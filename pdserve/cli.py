@@ -68,7 +68,8 @@ def _wait_for_signal() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Start router + pools as Ray actors; print the router address; stop cleanly on Ctrl-C."""
+    """Start router + pools (Ray actors, or child processes with --launcher process); print the
+    router address; stop cleanly on Ctrl-C."""
     from pdcommon.security import SecurityConfigError
     from pdserve.launch.cluster import RayCluster
 
@@ -432,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None, help="local Hugging Face model folder (overrides the YAML)")
         p.add_argument("--transport", choices=["zmq", "grpc"], default=None, help="KV transfer transport")
 
-    p = sub.add_parser("up", help="start router + pools as Ray actors")
+    p = sub.add_parser("up", help="start router + pools (Ray actors, or child processes with --launcher process)")
     with_config(p)
     p.add_argument("--port", type=int, default=None, help="router gRPC port (overrides the YAML)")
     p.add_argument("--http-port", type=int, default=None, help="router HTTP port (overrides the YAML)")
