@@ -124,6 +124,11 @@ class RouterSection(_Strict):
             self.token_port = 0
         return self
 
+    @property
+    def control_target(self) -> str:
+        """Where workers reach the control plane, as configured (port 0 until someone pins it)."""
+        return f"{self.advertise_host or self.control_host or self.host}:{self.control_port}"
+
 
 class TransferSection(_Strict):
     transport: Literal["zmq", "grpc", "fake"] = "zmq"

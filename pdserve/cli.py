@@ -83,9 +83,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             addr = cluster.start()
         except SecurityConfigError as e:
             raise SystemExit(f"error: {e}") from e
-        pools = " + ".join(f"{cfg.pool(r).replicas} {r}" for r in cfg.roles)
-        print(f"pdserve router ready at grpc://{addr}  ({pools} workers, {cfg.mode}, {cfg.transfer.transport} "
-              f"transfer, {time.perf_counter() - t0:.1f}s)", flush=True)
+        _print_ready(cfg, addr, t0)
         _print_placement(addr)
         _print_endpoints(cfg, cluster.control_address, cluster.http_address)
         _wait_for_signal()
@@ -112,12 +110,8 @@ def _up_processes(cfg, t0: float) -> int:
 
     def ready(server) -> None:
         lower_thread_priority(cfg.process.io_nice)  # this thread is the router's event loop now
-        pools = " + ".join(f"{cfg.pool(role).replicas} {role}" for role in cfg.roles)
-        print(f"pdserve router ready at grpc://{server.address}  ({pools} workers, {cfg.mode}, "
-              f"{cfg.transfer.transport} transfer, worker processes, {time.perf_counter() - t0:.1f}s)", flush=True)
-        for w in sorted(server.core.members.workers.values(), key=lambda w: (w.role, w.worker_id)):
-            print(f"  {w.role:9s} {w.worker_id:14s} on {w.address.rsplit(':', 1)[0]}  (serving {w.address})",
-                  flush=True)
+        _print_ready(cfg, server.address, t0, "worker processes, ")
+        _print_workers(server.core.members.workers.values())
         _print_endpoints(cfg, server.control_address, server.core.http_address)
 
     try:
@@ -137,13 +131,23 @@ def _print_endpoints(cfg, control_address: str, http_address: str) -> None:
     print("press Ctrl-C to stop", flush=True)
 
 
+def _print_ready(cfg, addr: str, t0: float, how: str = "") -> None:
+    pools = " + ".join(f"{cfg.pool(r).replicas} {r}" for r in cfg.roles)
+    print(f"pdserve router ready at grpc://{addr}  ({pools} workers, {cfg.mode}, {cfg.transfer.transport} "
+          f"transfer, {how}{time.perf_counter() - t0:.1f}s)", flush=True)
+
+
 def _print_placement(router: str) -> None:
     """Where each worker landed (its advertised host: on a multi-host cluster, its node's IP)."""
     from pdcommon.client import RouterClient
 
     with RouterClient(router) as client:
-        workers = sorted(client.status().workers, key=lambda w: (w.role, w.worker_id))
-    for w in workers:
+        _print_workers(client.status().workers)
+
+
+def _print_workers(workers) -> None:
+    """One line per worker (anything with role, worker_id and address), by role then id."""
+    for w in sorted(workers, key=lambda w: (w.role, w.worker_id)):
         print(f"  {w.role:9s} {w.worker_id:14s} on {w.address.rsplit(':', 1)[0]}  (serving {w.address})", flush=True)
 
 
@@ -376,8 +380,7 @@ def _cmd_worker(args: argparse.Namespace, role: str) -> int:
 
     cfg = _config(args)
     _engine_process_env(args, cfg, role)
-    r = cfg.router
-    router_addr = args.router or f"{r.advertise_host or r.control_host or r.host}:{r.control_port}"
+    router_addr = args.router or cfg.router.control_target
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     from pdserve.launch.processes import die_with_parent
     from pdserve.launch.roles import serve_worker

@@ -25,9 +25,8 @@ class RouterActor:
         advertise_node_ip(self.cfg, "router")
         restore_priority(self.cfg.process.nice)  # before any thread starts: they inherit it
         self.launcher = RayLauncher(self.cfg, cluster_name)
-        r = self.cfg.router
-        if r.control_port:  # fixed before the first start (RayCluster): workers can start loading now
-            self.launcher.router_address = f"{r.advertise_host or r.control_host or r.host}:{r.control_port}"
+        if self.cfg.router.control_port:  # fixed before the first start (RayCluster): workers can start loading now
+            self.launcher.router_address = self.cfg.router.control_target
         self.restarted = bool(self.launcher.adopt())
         self.server: RouterServer | None = None
 

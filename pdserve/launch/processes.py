@@ -92,13 +92,11 @@ def die_with_parent() -> None:
 
 async def run_local(cfg: ClusterConfig, stop: asyncio.Event, on_ready) -> None:
     """Serve the router here, start the pools as child processes, call on_ready(server) once
-    every pool has its workers, serve until `stop`, then drain and stop the workers."""
-    from pdserve.launch.cluster import pin_ports
+    every pool has its workers, serve until `stop`, then drain and stop the workers. The router's
+    ports must be pinned (cluster.pin_ports): the workers are told where it is before it listens."""
     from router import RouterServer
 
-    pin_ports(cfg)
-    r = cfg.router
-    launcher = ProcessLauncher(cfg, f"{r.advertise_host or r.control_host or r.host}:{r.control_port}")
+    launcher = ProcessLauncher(cfg, cfg.router.control_target)
     server = RouterServer(cfg, launcher)
     try:
         counts = {role: cfg.pool(role).replicas for role in cfg.roles}
