@@ -215,6 +215,12 @@ class PlannerSection(_Strict):
     profile: str | None = None  # a step-cost profile (`pdserve profile`); sla needs one
     interval_s: float = Field(30.0, gt=0)
     target_attainment: float = Field(0.9, gt=0, lt=1)
+    # The target holds over this window (an error budget): each interval plans for the target
+    # less gain x what the window met above target + margin (never above the target). 0: every
+    # interval plans for the target itself.
+    attainment_window_s: float = Field(3600.0, ge=0)
+    attainment_gain: float = Field(0.5, ge=0)
+    attainment_margin: float = Field(0.01, ge=0, lt=0.1)
     # Absolute SLOs; unset, each request's own: TTFT (queueing included) <= ttft_slo_factor x its
     # unloaded prefill time, TPOT <= tpot_slo_factor x the batch-1 ITL at its context.
     ttft_slo_s: float | None = Field(None, gt=0)
