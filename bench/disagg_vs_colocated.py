@@ -125,12 +125,12 @@ def summarize(results: list, duration: float, slo_ttft_ms: float, slo_tpot_ms: f
 
 
 def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_every: int, slo: tuple,
-             refs: dict) -> list[dict]:
+             refs: dict, chunk: int = 512) -> list[dict]:
     from pdcommon.config import load_config
     from pdserve.launch.cluster import RayCluster
 
     over = {"model": str(path), "mode": mode, "router.port": 0, "router.http_port": None,
-            "engine.num_threads": 1, "engine.kv_cache_memory_bytes": 768 << 20, "engine.prefill_chunk_size": 512,
+            "engine.num_threads": 1, "engine.kv_cache_memory_bytes": 768 << 20, "engine.prefill_chunk_size": chunk,
             "engine.max_num_batched_tokens": 2048, "heartbeat.interval_s": 1.0, "router.request_timeout_s": 600}
     if mode == "colocated":
         over["colocated.replicas"] = 2
@@ -197,6 +197,7 @@ def main() -> int:
     ap.add_argument("--slo-tpot-ms", type=float, default=60.0)
     ap.add_argument("--modes", default="disaggregated,colocated,colocated-1x2",
                     help="colocated: 2 workers x 1 thread; colocated-1x2: 1 worker x 2 threads")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="engine.prefill_chunk_size of every mode")
     ap.add_argument("--out", default=str(OUT / "disagg_vs_colocated.json"))
     args = ap.parse_args()
     from model_factory import build_bench_model
@@ -208,7 +209,7 @@ def main() -> int:
     rows: list[dict] = []
     refs: dict[str, dict] = {}
     for mode in args.modes.split(","):
-        rows += run_mode(mode, path, rates, duration, args.long_every, slo, refs)
+        rows += run_mode(mode, path, rates, duration, args.long_every, slo, refs, args.prefill_chunk)
     at90 = attainment_rates(rows, refs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
