@@ -28,6 +28,9 @@ class EngineConfig:
     # Largest prompt chunk one sequence may compute in a step; None = the whole token budget.
     prefill_chunk_size: int | None = None
     enable_prefix_caching: bool = True
+    # A waiting prompt that fits in one chunk goes before a running longer prompt's next chunk
+    # (engine/scheduler.py): short prompts are not stuck behind long ones' chunks.
+    short_prompts_first: bool = True
     max_model_len: int | None = None
     # torch compute threads; None leaves torch's default (all cores). Workers sharing a host set 1.
     num_threads: int | None = None
