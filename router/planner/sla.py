@@ -11,8 +11,10 @@ Each interval it
 4. applies the policy: scale up at once; scale down slowly (see PlannerSection), so that a
    dip in load does not take away workers the next minute needs back.
 
-Both SLOs must hold for `target_attainment` of requests: the pools' goals multiply to it
-(`_joint`), with the misses shared between them as the fewest workers in all need.
+Both SLOs must hold for `target_attainment` of requests over `attainment_window_s` (an error
+budget: `_aim` plans an interval lower while the window has met more than the target): the
+pools' goals multiply to the planned attainment (`_joint`), with the misses shared between them
+as the fewest workers in all need.
 """
 
 from __future__ import annotations
@@ -182,7 +184,8 @@ class SlaPlanner:
 
     def goal(self, pool: str, share: float = 0.5, joint: float | None = None) -> float:
         """The share of what a pool can reach that its model must predict when it takes `share`
-        of the misses: the two multiply to `joint` (by default the target), less the offset
+        of the misses: the two multiply to `joint` (by default this interval's planned
+        attainment, `_aim`), less the offset
         seen between observed and predicted attainment (a pessimistic model asks for less)."""
         lo, hi = GOAL_RANGE
         mine = share if pool == "prefill" else 1 - share
