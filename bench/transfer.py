@@ -441,12 +441,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(OUT / "transfer.json"))
+    ap.add_argument("--only", default="", help="comma-separated rows to run, of zmq, grpc, curve, tls, ttft "
+                    "(the raw baselines always run): one transport's change measured in a minute")
     args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
     reps = 2 if args.quick else 3
     result: dict = {"throughput": [], "ttft": []}
-    for transport, variant in (("raw", "plain"), ("raw_grpc", "plain"), ("zmq", "plain"), ("grpc", "plain"),
-                               ("zmq", "curve"), ("grpc", "tls")):
-        result["throughput"] += bench_transport(transport, SIZES_MIB, reps, variant)
+    for transport, variant, name in (("raw", "plain", ""), ("raw_grpc", "plain", ""), ("zmq", "plain", "zmq"),
+                                     ("grpc", "plain", "grpc"), ("zmq", "curve", "curve"), ("grpc", "tls", "tls")):
+        if not only or not name or name in only:
+            result["throughput"] += bench_transport(transport, SIZES_MIB, reps, variant)
     raw = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_zmq"}
     raw_grpc = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc"}
     result["security"] = security_summary(result["throughput"])
@@ -465,7 +469,7 @@ def main() -> int:
         print(f"security {row['transport']:4s} {row['mib']:4d} MiB: token/off {row['token_vs_off']:.3f} (median of "
               f"pairs; best/best {row['best_token_vs_best_off']:.3f})"
               + (f", {row['encrypted']}/token {row['encrypted_vs_token']:.3f}" if "encrypted" in row else ""))
-    result["ttft"] = ttft_split(args.quick)
+    result["ttft"] = ttft_split(args.quick) if not only or "ttft" in only else []
     for r in result["ttft"]:
         print(f"TTFT {r['prompt_len']:5d} tokens: {r['ttft'] * 1e3:7.1f} ms = queue {r['queue'] * 1e3:.1f} + prefill "
               f"{r['prefill'] * 1e3:.1f} + first token {r['first_token'] * 1e3:.1f} ms; KV transfer "
