@@ -136,6 +136,9 @@ def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_ev
         over["colocated.replicas"] = 2
     elif mode == "colocated-1x2":  # one worker with both cores' threads
         over.update({"mode": "colocated", "colocated.replicas": 1, "engine.num_threads": 2})
+    elif mode == "disaggregated-2+1":  # the prefill worker runs on both cores, the decode worker on one
+        over.update({"mode": "disaggregated", "prefill.replicas": 1, "decode.replicas": 1,
+                     "prefill.engine.num_threads": 2})
     else:
         over.update({"prefill.replicas": 1, "decode.replicas": 1})
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "local.yaml", **over)
@@ -169,7 +172,8 @@ def plot(rows: list[dict], path: Path, slo: tuple) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for mode, style in (("disaggregated", "o-"), ("colocated", "s--"), ("colocated-1x2", "^:")):
+    for mode, style in (("disaggregated", "o-"), ("disaggregated-2+1", "d-"), ("colocated", "s--"),
+                        ("colocated-1x2", "^:")):
         sub = [r for r in rows if r["mode"] == mode]
         if not sub:
             continue
@@ -201,7 +205,8 @@ def main() -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=60.0)
     ap.add_argument("--modes", default="disaggregated,colocated,colocated-1x2",
-                    help="colocated: 2 workers x 1 thread; colocated-1x2: 1 worker x 2 threads")
+                    help="disaggregated: 1 prefill + 1 decode, 1 thread each; disaggregated-2+1: the prefill "
+                    "worker with 2 threads; colocated: 2 workers x 1 thread; colocated-1x2: 1 worker x 2 threads")
     ap.add_argument("--prefill-chunk", default="512",
                     help="engine.prefill_chunk_size: one for every mode, or MODE=N,... (512 where not given)")
     ap.add_argument("--out", default=str(OUT / "disagg_vs_colocated.json"))
