@@ -136,11 +136,10 @@ def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_ev
         over["colocated.replicas"] = 2
     elif mode == "colocated-1x2":  # one worker with both cores' threads
         over.update({"mode": "colocated", "colocated.replicas": 1, "engine.num_threads": 2})
-    elif mode == "disaggregated-2+1":  # the prefill worker runs on both cores, the decode worker on one
-        over.update({"mode": "disaggregated", "prefill.replicas": 1, "decode.replicas": 1,
-                     "prefill.engine.num_threads": 2})
     else:
         over.update({"prefill.replicas": 1, "decode.replicas": 1})
+        if mode == "disaggregated-2+1":  # the prefill worker runs on both cores, the decode worker on one
+            over.update({"mode": "disaggregated", "prefill.engine.num_threads": 2})
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "local.yaml", **over)
     rows = []
     with RayCluster(cfg) as cluster:
@@ -223,14 +222,15 @@ def main() -> int:
     for part in args.prefill_chunk.split(","):
         mode, _, n = part.rpartition("=")
         chunks[mode or "*"] = int(n)
+    min_requests = 0 if args.quick else args.min_requests
     for mode in args.modes.split(","):
         rows += run_mode(mode, path, rates, duration, args.long_every, slo, refs, chunks.get(mode, chunks["*"]),
-                         0 if args.quick else args.min_requests)
+                         min_requests)
     at90 = attainment_rates(rows, refs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     workload = {"short": SHORT, "long": LONG, "long_every": args.long_every, "duration_s": duration,
-                "min_requests": 0 if args.quick else args.min_requests}
+                "min_requests": min_requests}
     out.write_text(json.dumps({"workload": workload, "slo_ms": {"ttft": slo[0], "tpot": slo[1]},
                                "prefill_chunk": chunks, "attainment_90": at90, "results": rows}, indent=2))
     s = at90["slo"]

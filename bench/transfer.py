@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 OUT = Path(__file__).resolve().parent / "out"
 SIZES_MIB = [1, 16, 256]
+ONLY_ROWS = {"zmq", "grpc", "curve", "tls", "ttft"}  # what --only may name
 BLOCK_SHAPE = (8, 2, 16, 4, 64)  # layers, K/V, block_size, kv_heads, head_dim of the 50M model
 BLOCK_SIZE = 16
 
@@ -445,6 +446,8 @@ def main() -> int:
                     "(the raw baselines always run): one transport's change measured in a minute")
     args = ap.parse_args()
     only = set(filter(None, args.only.split(",")))
+    if only - ONLY_ROWS:
+        ap.error(f"--only: unknown rows {sorted(only - ONLY_ROWS)}; choose from {sorted(ONLY_ROWS)}")
     reps = 2 if args.quick else 3
     result: dict = {"throughput": [], "ttft": []}
     for transport, variant, name in (("raw", "plain", ""), ("raw_grpc", "plain", ""), ("zmq", "plain", "zmq"),
