@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 DType = Literal["float32", "bfloat16", "float16"]
-GemmLayout = Literal["mkl", "onednn", "both"]
+GemmLayout = Literal["native", "mkl", "onednn", "both"]
 _GEMM_LAYOUTS = get_args(GemmLayout)
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -34,14 +34,18 @@ class EngineConfig:
     max_model_len: int | None = None
     # torch compute threads; None leaves torch's default (all cores). Workers sharing a host set 1.
     num_threads: int | None = None
-    # CPU GEMMs of the linear layers. "both": oneDNN (vLLM's CPU layout) from 2 to 128 rows, MKL
+    # CPU GEMMs of the linear layers. "native" (fp32 on the CPU with a C compiler, else "both"):
+    # the native panel GEMM (engine/csrc/panel_gemm.c) for 1-128 rows of layers with 32K+
+    # weights, MKL for the rest, at twice those layers' memory; decode batches of 1-32 rows ran
+    # 1.3-2.1x faster than either library on the 50M model's layers (engine/model.py).
+    # "both": oneDNN (vLLM's CPU layout) from 2 to 128 rows, MKL
     # for one row and for more than 128, at twice the linear weights' memory. "onednn": oneDNN
     # only, one copy. "mkl": W transposed for MKL, one copy. On an AMD EPYC host (AVX2) MKL's
     # small-row GEMMs are slow: oneDNN runs the 50M model's linears 1.1-1.7x faster at 2-128 rows,
     # MKL is 3-11% faster from 200 rows on and they tie at one. On an Intel AVX-512 host the
     # layouts were within 5% when quiet. Only for float32/bfloat16 on the CPU with oneDNN;
     # elsewhere "mkl" runs. Set "mkl" where memory is tighter than time.
-    cpu_gemm: GemmLayout = "both"
+    cpu_gemm: GemmLayout = "native"
     seed: int = 0
     # Device emulation, off by default: every engine step also sleeps this many seconds per token
     # it computes, standing in for a slower accelerator. On a small CPU machine compute stops

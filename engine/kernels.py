@@ -1,6 +1,7 @@
 """Native kernels: C sources in engine/csrc, compiled on first use with the system's C compiler
 and cached by content, compiler and CPU. They are an optimization, never a requirement: where
-no compiler is found or a build fails, `paged_decode` is None and attention uses torch ops.
+no compiler is found or a build fails, `paged_decode` and `panel_gemm` are None and the engine
+uses torch ops (attention) and MKL or oneDNN (linear layers).
 
 The shared object links OpenMP by soname (libgomp.so.1). torch has loaded its own copy under
 that name by the time this runs, so the kernel joins torch's thread team instead of starting a
@@ -21,8 +22,11 @@ import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11"]
+CSRC = Path(__file__).resolve().parent / "csrc"
+# -std=c11 alone turns floating-point contraction off: a*b+c stays a multiply and an add, never
+# one FMA, which halved the panel GEMM's arithmetic rate (its 32-row case fell behind oneDNN).
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast",
+         "-std=c11"]
 
 
 def cache_dir() -> Path:
@@ -36,11 +40,11 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, src: Path) -> Path:
     version = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout.strip()
-    key = hashlib.sha256("\0".join([SRC.read_text(), cc, version, *FLAGS, platform.machine(), _cpu_flags()])
+    key = hashlib.sha256("\0".join([src.read_text(), cc, version, *FLAGS, platform.machine(), _cpu_flags()])
                          .encode()).hexdigest()[:16]
-    out = cache_dir() / f"{SRC.stem}-{key}.so"
+    out = cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +52,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, str(SRC), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *FLAGS, str(src), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -58,19 +62,26 @@ def _build(cc: str) -> Path:
     return out
 
 
-@functools.cache
-def paged_decode():
-    """The C function paged_decode_attention with its argument types, or None."""
+def _load(src: str, what: str) -> ctypes.CDLL | None:
+    """The shared object built from csrc/`src`, or None (logged: `what` falls back)."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        log.warning("no C compiler found: decode attention uses torch ops (slower for long contexts)")
+        log.warning("no C compiler found: %s", what)
         return None
     try:
         import torch  # noqa: F401  (its libgomp must be loaded first; see the module docstring)
 
-        lib = ctypes.CDLL(str(_build(cc)))
+        return ctypes.CDLL(str(_build(cc, CSRC / src)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("native decode attention unavailable (%s): using torch ops", e)
+        log.warning("native kernel %s unavailable (%s): %s", src, e, what)
+        return None
+
+
+@functools.cache
+def paged_decode():
+    """The C function paged_decode_attention with its argument types, or None."""
+    lib = _load("paged_attention.c", "decode attention uses torch ops (slower for long contexts)")
+    if lib is None:
         return None
     fn = lib.paged_decode_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -79,4 +90,21 @@ def paged_decode():
     limits = [ctypes.c_int() for _ in range(3)]
     lib.paged_decode_limits(*(ctypes.byref(x) for x in limits))
     fn.limits = tuple(x.value for x in limits)  # max query heads, head dim, block size
+    return fn
+
+
+@functools.cache
+def panel_gemm():
+    """The C function panel_gemm (csrc/panel_gemm.c) with its argument types, or None. Its
+    `panel_width` is the number of columns per packed panel."""
+    lib = _load("panel_gemm.c", "linear layers use MKL and oneDNN")
+    if lib is None:
+        return None
+    fn = lib.panel_gemm
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
+    fn.restype = None
+    width = ctypes.c_int()
+    lib.panel_gemm_limits(ctypes.byref(width))
+    fn.panel_width = width.value
     return fn

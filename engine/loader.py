@@ -144,9 +144,16 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> Loade
 
 
 def choose_gemm_layout(requested: str, dtype: str, device: torch.device) -> str:
-    """The layout `requested` resolves to here: oneDNN packing needs oneDNN, the CPU and fp32, or
-    bf16 on a CPU with oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; AVX2
-    hosts have neither, and packing there raises)."""
+    """The layout `requested` resolves to here: the native panel GEMM needs fp32 on the CPU and a
+    C compiler that built it (else "both" is tried); oneDNN packing needs oneDNN, the CPU and
+    fp32, or bf16 on a CPU with oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
+    AVX2 hosts have neither, and packing there raises)."""
+    if requested == "native":
+        from engine.kernels import panel_gemm
+
+        if device.type == "cpu" and dtype == "float32" and panel_gemm() is not None:
+            return "native"
+        requested = "both"
     if device.type != "cpu" or dtype not in ("float32", "bfloat16") or not torch.backends.mkldnn.is_available():
         return "mkl"
     if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -155,8 +162,14 @@ def choose_gemm_layout(requested: str, dtype: str, device: torch.device) -> str:
 
 
 def pack_linears(net: DecoderModel, layout: str) -> None:
-    """Give every linear layer its oneDNN copy ("onednn" drops the MKL one)."""
+    """Give every linear layer its oneDNN copy ("onednn" drops the MKL one), or with "native"
+    its panel copy where the native GEMM gains (the rest keep MKL alone)."""
     if layout == "mkl":
+        return
+    if layout == "native":
+        for m in net.modules():
+            if isinstance(m, Linear):
+                m.pack_panels()
         return
     sizes = sorted({gemm_rows(r) for r in range(2, ONEDNN_MAX_ROWS + 1)})  # decode-sized row counts
     with torch.inference_mode():

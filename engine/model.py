@@ -35,13 +35,24 @@ class RMSNorm(nn.Module):
 # oneDNN was 1.1-1.7x faster at 2-128 rows and MKL 3-11% faster from 200 on (4 linears of the 50M
 # model, 2 threads); at one row they tie, and one row was MKL's best case on Intel.
 ONEDNN_MAX_ROWS = 128
+# The native panel GEMM (engine/csrc/panel_gemm.c) serves up to this many rows, for weights of at
+# least NATIVE_MIN_WEIGHT elements. On the 50M benchmark model's layers (AMD EPYC, AVX2, 2
+# threads, weights read from memory as in a step) it ran 1 row 1.6-2.1x faster than MKL or
+# oneDNN, 8 rows 1.5x and 32 rows 1.3x faster than oneDNN, and 128 rows a few percent faster;
+# MKL takes longer prompts, where the libraries' cache blocking wins. Below ~32K elements (the
+# 64-wide layers of stories260K) a call is mostly overhead, and MKL's is the smallest: ~6 us,
+# against ~11 us through ctypes and ~65 us for oneDNN.
+NATIVE_MAX_ROWS = 128
+NATIVE_MIN_WEIGHT = 32768
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, from up to two copies of W (EngineConfig.cpu_gemm, see `pack`):
+    """y = x W^T + b, from up to two copies of W (EngineConfig.cpu_gemm, see `pack` and
+    `pack_panels`):
     - `weight_t`, W transposed ([in, out]) for MKL: on CPU as fast as nn.Linear's layout for long
       prompts and up to ~1.7x faster at decode batches;
-    - `packed`, W reordered for oneDNN, the layout vLLM's CPU backend runs."""
+    - `packed`, W reordered for oneDNN, the layout vLLM's CPU backend runs;
+    - `panels`, W in column panels for the native small-batch GEMM (decode)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -49,6 +60,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.onednn_rows = range(0)  # row counts oneDNN serves (all of them without the MKL copy)
+        self.panels: torch.Tensor | None = None
+        self.native_rows = range(0)  # row counts the native panel GEMM serves
 
     def pack(self, keep_mkl: bool) -> None:
         """Add the oneDNN copy; without `keep_mkl`, it replaces the MKL one (half the memory)."""
@@ -59,8 +72,41 @@ class Linear(nn.Module):
         if not keep_mkl:
             self.weight_t = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
+    def pack_panels(self) -> bool:
+        """Add the native kernel's copy beside the MKL one, where the kernel is built and the
+        weight is large enough to gain from it; whether it did."""
+        w = self.weight_t.detach()
+        if w.dtype != torch.float32 or w.device.type != "cpu" or w.numel() < NATIVE_MIN_WEIGHT:
+            return False
+        from engine.kernels import panel_gemm
+
+        fn = panel_gemm()
+        if fn is None:
+            return False
+        k, n, nb = w.shape[0], w.shape[1], fn.panel_width
+        padded = w.new_zeros(k, -(-n // nb) * nb)
+        padded[:, :n] = w
+        # Panel j: columns j*nb..(j+1)*nb of W^T, row after row, in one contiguous run.
+        self.panels = padded.view(k, -1, nb).transpose(0, 1).contiguous()
+        self.native_rows = range(1, NATIVE_MAX_ROWS + 1)
+        return True
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels import panel_gemm
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        n = self.weight_t.shape[1]
+        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        panel_gemm()(x.data_ptr(), x.stride(0), m, k, self.panels.data_ptr(), n, bias, y.data_ptr(), n)
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = x.shape[0]
+        if m in self.native_rows:
+            return self._native(x)
         if m in self.onednn_rows:
             padded = gemm_rows(m)
             if padded != m:  # see gemm_rows: a few shapes, each compiled once

@@ -286,17 +286,35 @@ def test_scaled_rope_matches_hf(tmp_path, rope):
         check_close(hf_greedy(path, p, 12), out, f"{rope['rope_type']} len {len(p)}")
 
 
-@pytest.mark.parametrize("layout", ["mkl", "onednn", "both"])
-@pytest.mark.parametrize("arch", ["stories", "qwen2"])
-def test_gemm_layouts_match_hf(stories_path, random_models, arch, layout):
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> str:
+    """qwen2 (q/k/v biases) with layers wide enough for the native panel GEMM (32K+ weights)."""
+    return make_random_model("qwen2", tmp_path_factory.mktemp("wide") / "m", seed=7, hidden_size=256,
+                             intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("layout", ["native", "mkl", "onednn", "both"])
+@pytest.mark.parametrize("arch", ["stories", "qwen2", "qwen2-wide"])
+def test_gemm_layouts_match_hf(stories_path, random_models, wide_model, arch, layout):
     """Each CPU GEMM layout, at one row (decode alone) and many (prompts, batches); qwen2 has
-    biases on q/k/v, which oneDNN's packed call applies itself."""
-    path = stories_path if arch == "stories" else random_models[arch]
+    biases on q/k/v, which oneDNN's packed call and the native kernel apply themselves."""
+    from engine.kernels import panel_gemm
+    from engine.model import NATIVE_MIN_WEIGHT
+
+    path = {"stories": stories_path, "qwen2-wide": wide_model}.get(arch) or random_models[arch]
     eng = LLMEngine(EngineConfig(model=path, cpu_gemm=layout))
-    assert eng.gemm_layout == layout
+    want = "both" if layout == "native" and panel_gemm() is None else layout
+    assert eng.gemm_layout == want
     linears = [m for m in eng.model.modules() if type(m).__name__ == "Linear"]
-    assert all((m.packed is None) == (layout == "mkl") for m in linears)
-    assert all((m.weight_t.numel() == 0) == (layout == "onednn") for m in linears)  # one copy, not two
+    if want == "native":  # panels beside the MKL copy, on the layers large enough to gain
+        assert all(m.packed is None and m.weight_t.numel() for m in linears)
+        assert all((m.panels is not None) == (m.weight_t.numel() >= NATIVE_MIN_WEIGHT) for m in linears)
+        if arch != "qwen2":  # stories260K's layers are all too small; the wide model's all qualify
+            assert all(m.panels is not None for m in linears) == (arch == "qwen2-wide")
+            assert any(m.panels is not None for m in linears) == (arch == "qwen2-wide")
+    else:
+        assert all((m.packed is None) == (layout == "mkl") for m in linears)
+        assert all((m.weight_t.numel() == 0) == (layout == "onednn") for m in linears)  # one copy, not two
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (1, 30, 200)]
     single = eng.generate(prompts[1:2], SamplingParams(max_tokens=12, temperature=0, logprobs=5))
@@ -337,7 +355,11 @@ def test_onednn_row_counts_are_bucketed():
 
 
 def test_gemm_layout_resolution(stories_path):
-    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "both"
+    from engine.kernels import panel_gemm
+
+    # The default: the native panel GEMM where its kernel is built, else MKL beside oneDNN.
+    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == ("native" if panel_gemm() else "both")
+    assert LLMEngine(EngineConfig(model=stories_path, dtype="bfloat16", cpu_gemm="native")).gemm_layout != "native"
     assert LLMEngine(EngineConfig(model=stories_path, cpu_gemm="mkl")).gemm_layout == "mkl"
     assert LLMEngine(EngineConfig(model=stories_path, dtype="float16", cpu_gemm="onednn")).gemm_layout == "mkl"
     # bf16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: elsewhere (AVX2) it raises, so MKL runs.

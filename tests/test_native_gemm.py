@@ -1,0 +1,45 @@
+"""The native panel GEMM (engine/csrc/panel_gemm.c) behind `Linear` for decode-sized batches:
+the same product as MKL for every row count it serves, odd widths, biases and strided rows; only
+layers large enough to gain from it get the panel copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import panel_gemm
+from engine.model import NATIVE_MAX_ROWS, NATIVE_MIN_WEIGHT, Linear
+
+pytestmark = pytest.mark.skipif(panel_gemm() is None, reason="no C compiler: the kernel is not built here")
+
+
+def _linear(k: int, n: int, bias: bool, seed: int) -> Linear:
+    torch.manual_seed(seed)
+    lin = Linear(k, n, bias=bias)
+    torch.nn.init.normal_(lin.weight_t)
+    if bias:
+        torch.nn.init.normal_(lin.bias)
+    return lin
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), [(512, 1024, False), (256, 1000, True), (600, 61, True), (97, 512, False)])
+def test_panel_gemm_matches_mkl(k, n, bias):
+    lin = _linear(k, n, bias, seed=k + n)
+    assert lin.pack_panels() and lin.native_rows == range(1, NATIVE_MAX_ROWS + 1)
+    with torch.inference_mode():
+        for m in (1, 2, 3, 5, 6, 7, 12, 17, NATIVE_MAX_ROWS):
+            for x in (torch.randn(m, k), torch.randn(m, k + 9)[:, 4:4 + k]):  # dense rows, then strided
+                want = torch.addmm(lin.bias, x, lin.weight_t) if bias else x @ lin.weight_t
+                got = lin(x)
+                assert got.shape == (m, n) and got.is_contiguous()
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+def test_rows_beyond_the_limit_and_small_layers_use_mkl():
+    lin = _linear(256, 512, True, seed=1)
+    lin.pack_panels()
+    x = torch.randn(NATIVE_MAX_ROWS + 1, 256)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), torch.addmm(lin.bias, x, lin.weight_t))
+    small = _linear(64, NATIVE_MIN_WEIGHT // 64 - 1, False, seed=2)  # one element short
+    assert not small.pack_panels() and small.panels is None and 1 not in small.native_rows
