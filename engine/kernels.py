@@ -108,3 +108,16 @@ def panel_gemm():
     lib.panel_gemm_limits(ctypes.byref(width))
     fn.panel_width = width.value
     return fn
+
+
+@functools.cache
+def rms_norm():
+    """The C function rms_norm_rows (csrc/rms_norm.c) with its argument types, or None."""
+    lib = _load("rms_norm.c", "RMSNorm uses torch ops")
+    if lib is None:
+        return None
+    fn = lib.rms_norm_rows
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, i64]
+    fn.restype = None
+    return fn

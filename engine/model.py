@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.kernels import panel_gemm
+from engine.kernels import rms_norm as native_rms_norm
 from engine.model_meta import ModelSpec
 
 
@@ -22,8 +24,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below in fp32
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            if x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu" and (fn := native_rms_norm()):
+                # One native call (engine/csrc/rms_norm.c): torch's CPU rms_norm is six ops.
+                y = torch.empty(x.shape, dtype=x.dtype)
+                fn(x.data_ptr(), x.stride(0), self.weight.data_ptr(), x.shape[0], x.shape[1], self.eps,
+                   y.data_ptr(), x.shape[1])
+                return y
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # fp32 as the steps below
         # Same order of operations as transformers' LlamaRMSNorm: fp32 statistics, then scale.
         dtype = x.dtype
         x = x.float()
@@ -78,8 +86,6 @@ class Linear(nn.Module):
         w = self.weight_t.detach()
         if w.dtype != torch.float32 or w.device.type != "cpu" or w.numel() < NATIVE_MIN_WEIGHT:
             return False
-        from engine.kernels import panel_gemm
-
         fn = panel_gemm()
         if fn is None:
             return False
@@ -92,8 +98,6 @@ class Linear(nn.Module):
         return True
 
     def _native(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels import panel_gemm
-
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
