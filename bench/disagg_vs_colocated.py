@@ -125,7 +125,7 @@ def summarize(results: list, duration: float, slo_ttft_ms: float, slo_tpot_ms: f
 
 
 def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_every: int, slo: tuple,
-             refs: dict, chunk: int = 512, min_requests: int = 0) -> list[dict]:
+             refs: dict, chunk: int = 512, min_requests: int = 0, local_prefill: int = 256) -> list[dict]:
     from pdcommon.config import load_config
     from pdserve.launch.cluster import RayCluster
 
@@ -140,6 +140,8 @@ def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_ev
         over.update({"prefill.replicas": 1, "decode.replicas": 1})
         if mode == "disaggregated-2+1":  # the prefill worker runs on both cores, the decode worker on one
             over.update({"mode": "disaggregated", "prefill.engine.num_threads": 2})
+        elif mode == "disaggregated-local":  # short prompts prefilled by their decode worker
+            over.update({"mode": "disaggregated", "router.local_prefill_max_tokens": local_prefill})
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "local.yaml", **over)
     rows = []
     with RayCluster(cfg) as cluster:
@@ -171,8 +173,8 @@ def plot(rows: list[dict], path: Path, slo: tuple) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for mode, style in (("disaggregated", "o-"), ("disaggregated-2+1", "d-"), ("colocated", "s--"),
-                        ("colocated-1x2", "^:")):
+    for mode, style in (("disaggregated", "o-"), ("disaggregated-2+1", "d-"), ("disaggregated-local", "v-"),
+                        ("colocated", "s--"), ("colocated-1x2", "^:")):
         sub = [r for r in rows if r["mode"] == mode]
         if not sub:
             continue
@@ -205,7 +207,11 @@ def main() -> int:
     ap.add_argument("--slo-tpot-ms", type=float, default=60.0)
     ap.add_argument("--modes", default="disaggregated,colocated,colocated-1x2",
                     help="disaggregated: 1 prefill + 1 decode, 1 thread each; disaggregated-2+1: the prefill "
-                    "worker with 2 threads; colocated: 2 workers x 1 thread; colocated-1x2: 1 worker x 2 threads")
+                    "worker with 2 threads; disaggregated-local: 1 + 1, prompts up to --local-prefill tokens "
+                    "prefilled by the decode worker; colocated: 2 workers x 1 thread; colocated-1x2: 1 worker x 2 "
+                    "threads")
+    ap.add_argument("--local-prefill", type=int, default=256,
+                    help="router.local_prefill_max_tokens of the disaggregated-local mode")
     ap.add_argument("--prefill-chunk", default="512",
                     help="engine.prefill_chunk_size: one for every mode, or MODE=N,... (512 where not given)")
     ap.add_argument("--out", default=str(OUT / "disagg_vs_colocated.json"))
@@ -225,7 +231,7 @@ def main() -> int:
     min_requests = 0 if args.quick else args.min_requests
     for mode in args.modes.split(","):
         rows += run_mode(mode, path, rates, duration, args.long_every, slo, refs, chunks.get(mode, chunks["*"]),
-                         min_requests)
+                         min_requests, args.local_prefill)
     at90 = attainment_rates(rows, refs)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,11 @@ class RouterSection(_Strict):
     max_retries: int = Field(3, ge=0)
     retry_window_s: float = Field(60.0, gt=0)  # no new attempt this long after the first failure
     stall_timeout_s: float = Field(10.0, gt=0)  # longest wait for the next token of a decode stream
+    # Disaggregated mode: a prompt of at most this many tokens is prefilled by the decode worker
+    # that will stream it (Dynamo's conditional disaggregation), not by the prefill pool. A short
+    # prompt then neither waits behind long prompts' chunks on a prefill worker nor ships its KV;
+    # it costs the decode batch one longer step. 0: every prompt goes to the prefill pool.
+    local_prefill_max_tokens: int = Field(0, ge=0)
     # A worker dropped as dead (not drained) that has not registered again after this long is
     # stopped and replaced through the launcher, keeping each pool at its target.
     replace_after_s: float = Field(5.0, ge=0)

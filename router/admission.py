@@ -53,13 +53,14 @@ class Admission:
         # After a failed attempt, other workers first; the same one only as a last resort.
         return [w for w in ranked if w.worker_id not in st.avoid] + [w for w in ranked if w.worker_id in st.avoid]
 
-    async def admit(self, st: RequestState) -> Lease:
+    async def admit(self, st: RequestState, local: bool) -> Lease:
+        """A lease on a worker with room; `local`: that worker computes the prompt itself."""
         need = -(-st.blocks_needed_tokens // self.block_size)
         queued = False
         try:
             while True:
                 for w in self._ranked(st, need):
-                    lease = await self._try(w, st, need)
+                    lease = await self._try(w, st, need, local)
                     if lease is not None:
                         return lease
                 if not queued:
@@ -76,9 +77,8 @@ class Admission:
             if queued:
                 self.waiting -= 1
 
-    async def _try(self, w: WorkerRecord, st: RequestState, need: int) -> Lease | None:
+    async def _try(self, w: WorkerRecord, st: RequestState, need: int, local: bool) -> Lease | None:
         """Open a Decode call on `w`; a lease if it reserved room, None if it had none."""
-        local = self.role == "colocated"
         key = b"" if local else secrets.token_bytes(32)
         req = wpb.DecodeRequest(
             request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),

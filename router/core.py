@@ -155,14 +155,16 @@ class RouterCore:
     async def _attempt(self, st: RequestState):
         """admit -> prefill -> relay, once. A 1-token request (disaggregated) skips admission: it
         ends with the prefill, so it needs no decode reservation (whose round trip came before the
-        prefill and was a third of its time) and no KV ships."""
+        prefill and was a third of its time) and no KV ships. A short prompt (disaggregated,
+        `router.local_prefill_max_tokens`) is prefilled by its decode worker, as colocated."""
         one_token = not self.colocated and st.params.max_tokens == 1
-        lease = None if one_token else await self.admission.admit(st)
+        local = self.colocated or (not one_token and self._prefill_locally(st))
+        lease = None if one_token else await self.admission.admit(st, local)
         st.calls = [] if lease is None else [lease.call]
         if lease is not None:
             st.decode_worker = lease.worker.worker_id
         try:
-            first = await (self._first_local(st, lease) if self.colocated else self._prefill(st, lease))
+            first = await (self._first_local(st, lease) if local else self._prefill(st, lease))
             yield first
             if first.finish_reason or lease is None:  # max_tokens 1: the first token always finishes
                 return
@@ -176,6 +178,11 @@ class RouterCore:
             for call in st.calls:
                 call.cancel()
             st.calls = []
+
+    def _prefill_locally(self, st: RequestState) -> bool:
+        """Disaggregated: whether this prompt (with any tokens it resumes after) is short enough
+        for its decode worker to compute."""
+        return len(st.prompt) + len(st.sent_ids) <= self.cfg.router.local_prefill_max_tokens
 
     def _release_prefill(self, st: RequestState) -> None:
         """The request no longer depends on its prefill worker (its KV landed, or the attempt ended)."""
@@ -227,7 +234,8 @@ class RouterCore:
         return self._first_token(st, msg.first)
 
     async def _first_local(self, st: RequestState, lease: Lease) -> pb.GenerateResponse:
-        """Colocated: the worker holding the lease computes the next token itself."""
+        """The worker holding the lease computes the next token itself (colocated, or a short
+        prompt prefilled by its decode worker)."""
         st.prefill_worker = lease.worker.worker_id
         self.policy.record(st.prefix, lease.worker.worker_id, lease.worker.worker_id)
         msg = await self._read(st, lease.call, lease.worker)

@@ -22,6 +22,10 @@ from router.request import RequestFailed, RequestState
 PREFIX_BLOCKS = 64  # leading blocks tracked for prefix-aware routing
 # No tokenizer we know of packs more characters into one token: longer text cannot fit the context.
 MAX_CHARS_PER_TOKEN = 256
+# Prompts up to this many characters are tokenized on the event loop (tens of microseconds): the
+# hop to the pool thread and back cost more than that on a busy 2-core host. Longer ones go to
+# the pool, so a huge prompt never stalls heartbeats or other streams.
+INLINE_TOKENIZE_CHARS = 2048
 
 
 class Intake:
@@ -64,8 +68,12 @@ class Intake:
         which = request.WhichOneof("prompt")
         if which is None:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "request has no prompt: set text or token_ids")
-        prompt = await self.offload(self.model.encode, request.text) if which == "text" and request.text else \
-            list(request.token_ids.ids) if which == "token_ids" else []
+        if which == "text" and request.text:
+            text = request.text
+            prompt = self.model.encode(text) if len(text) <= INLINE_TOKENIZE_CHARS else \
+                await self.offload(self.model.encode, text)
+        else:
+            prompt = list(request.token_ids.ids) if which == "token_ids" else []
         if not prompt:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
         bad = next((t for t in prompt if t >= self.model.vocab_size), None)

@@ -141,6 +141,10 @@ class RouterMetrics:
         self.failure = Counter("pdserve:request_failure", "Failed requests", ["code"], registry=r)
         self.slo = Counter("pdserve:request_slo", "Finished requests that met or missed their TTFT/TPOT SLO "
                            "(none: the request carried no SLO)", ["outcome"], registry=r)
+        self.local_prefills = Counter("pdserve:local_prefills", "Finished requests of a disaggregated cluster whose "
+                                      "prompt their decode worker prefilled (router.local_prefill_max_tokens)",
+                                      registry=r)
+        self.colocated = core.colocated
         r.register(_ClusterCollector(core))
         core.observers.append(self)
 
@@ -161,6 +165,8 @@ class RouterMetrics:
         if st.transfer_bytes:
             self.kv.observe(st.transfer_s)
             self.kv_bytes.inc(st.transfer_bytes)
+        if not self.colocated and st.prefill_worker and st.prefill_worker == st.decode_worker:
+            self.local_prefills.inc()
         self.prompt_tokens.inc(len(st.prompt))
         self.generation_tokens.inc(st.completion_tokens)
         self.success.labels(msg.finish_reason).inc()

@@ -16,6 +16,7 @@ from pdcommon.convert import layout_to_proto
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 from tests.cluster_utils import InProcessCluster, make_config
+from tests.test_operators import metrics, sample
 from tests.test_router_errors import _corrupt
 
 PROMPT = "Once upon a time there was a"
@@ -51,6 +52,28 @@ def test_one_token_request_ends_at_the_prefill_without_a_decode_reservation(stor
         assert decode.served == served, "a 1-token request reserved decode capacity"
         two = c.generate(make_request(PROMPT, max_tokens=2))  # longer ones still go through decode
         assert two.decode_worker and decode.served == served + 1
+        cl.wait_idle()
+
+
+def test_short_prompts_prefill_on_their_decode_worker_when_configured(stories_path, story):
+    """router.local_prefill_max_tokens: a prompt up to that length is computed by the decode
+    worker that streams it (nothing ships), a longer one by the prefill pool; the same tokens
+    as the engine alone either way."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    long_prompt = story[:100]
+    ref_short, ref_long = (o["token_ids"] for o in
+                           LLMEngine(EngineConfig(model=stories_path)).generate([PROMPT, long_prompt], params))
+    with InProcessCluster(make_config(stories_path, **{"router.local_prefill_max_tokens": 32})) as cl, \
+            cl.client() as c:
+        assert len(c.generate(make_request(PROMPT, max_tokens=1)).token_ids) == 1  # 1 token: the prefill pool
+        short = c.generate(make_request(PROMPT, max_tokens=20, ignore_eos=True))
+        assert short.token_ids == ref_short
+        assert short.prefill_worker == short.decode_worker and short.prefill_worker.startswith("decode")
+        assert not short.usage["kv_transfer_bytes"]
+        long = c.generate(make_request(long_prompt, max_tokens=20, ignore_eos=True))
+        assert long.token_ids == ref_long
+        assert long.prefill_worker.startswith("prefill") and long.usage["kv_transfer_bytes"] > 0
+        assert sample(metrics(cl), "pdserve:local_prefills", "_total") == 1  # the short one alone
         cl.wait_idle()
 
 
