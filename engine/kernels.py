@@ -77,16 +77,28 @@ def _load(src: str, what: str) -> ctypes.CDLL | None:
         return None
 
 
+def _function(src: str, name: str, argtypes: list, what: str):
+    """The C function `name` of csrc/`src` with its argument types, and its library; (None, None)
+    where it cannot be built (logged: `what` falls back)."""
+    lib = _load(src, what)
+    if lib is None:
+        return None, None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn, lib
+
+
+_I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+
+
 @functools.cache
 def paged_decode():
     """The C function paged_decode_attention with its argument types, or None."""
-    lib = _load("paged_attention.c", "decode attention uses torch ops (slower for long contexts)")
-    if lib is None:
+    fn, lib = _function("paged_attention.c", "paged_decode_attention",
+                        [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I32, _I32, _I32, _I32, _I32, _I64,
+                         _F32, _PTR], "decode attention uses torch ops (slower for long contexts)")
+    if fn is None:
         return None
-    fn = lib.paged_decode_attention
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, i64, ctypes.c_float, ptr]
-    fn.restype = None
     limits = [ctypes.c_int() for _ in range(3)]
     lib.paged_decode_limits(*(ctypes.byref(x) for x in limits))
     fn.limits = tuple(x.value for x in limits)  # max query heads, head dim, block size
@@ -97,13 +109,10 @@ def paged_decode():
 def panel_gemm():
     """The C function panel_gemm (csrc/panel_gemm.c) with its argument types, or None. Its
     `panel_width` is the number of columns per packed panel."""
-    lib = _load("panel_gemm.c", "linear layers use MKL and oneDNN")
-    if lib is None:
+    fn, lib = _function("panel_gemm.c", "panel_gemm", [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64],
+                        "linear layers use MKL and oneDNN")
+    if fn is None:
         return None
-    fn = lib.panel_gemm
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64]
-    fn.restype = None
     width = ctypes.c_int()
     lib.panel_gemm_limits(ctypes.byref(width))
     fn.panel_width = width.value
@@ -113,11 +122,5 @@ def panel_gemm():
 @functools.cache
 def rms_norm():
     """The C function rms_norm_rows (csrc/rms_norm.c) with its argument types, or None."""
-    lib = _load("rms_norm.c", "RMSNorm uses torch ops")
-    if lib is None:
-        return None
-    fn = lib.rms_norm_rows
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, i64]
-    fn.restype = None
-    return fn
+    return _function("rms_norm.c", "rms_norm_rows", [_PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _I64],
+                     "RMSNorm uses torch ops")[0]
