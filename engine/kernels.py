@@ -1,7 +1,7 @@
 """Native kernels: C sources in engine/csrc, compiled on first use with the system's C compiler
 and cached by content, compiler and CPU. They are an optimization, never a requirement: where
-no compiler is found or a build fails, `paged_decode` and `panel_gemm` are None and the engine
-uses torch ops (attention) and MKL or oneDNN (linear layers).
+no compiler is found or a build fails, `paged_decode`, `panel_gemm` and `rms_norm` are None and
+the engine uses torch ops (attention, RMSNorm) and MKL or oneDNN (linear layers).
 
 The shared object links OpenMP by soname (libgomp.so.1). torch has loaded its own copy under
 that name by the time this runs, so the kernel joins torch's thread team instead of starting a

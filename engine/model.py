@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
                 fn(x.data_ptr(), x.stride(0), self.weight.data_ptr(), x.shape[0], x.shape[1], self.eps,
                    y.data_ptr(), x.shape[1])
                 return y
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # fp32 as the steps below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # bit-identical to the steps below
         # Same order of operations as transformers' LlamaRMSNorm: fp32 statistics, then scale.
         dtype = x.dtype
         x = x.float()
