@@ -125,7 +125,7 @@ def summarize(results: list, duration: float, slo_ttft_ms: float, slo_tpot_ms: f
 
 
 def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_every: int, slo: tuple,
-             refs: dict, chunk: int = 512, min_requests: int = 0, local_prefill: int = 256) -> list[dict]:
+             refs: dict, chunk: int = 512, min_requests: int = 0, local_prefill: int | None = None) -> list[dict]:
     from pdcommon.config import load_config
     from pdserve.launch.cluster import RayCluster
 
@@ -141,6 +141,7 @@ def run_mode(mode: str, path: Path, rates: list[float], duration: float, long_ev
         if mode == "disaggregated-2+1":  # the prefill worker runs on both cores, the decode worker on one
             over.update({"mode": "disaggregated", "prefill.engine.num_threads": 2})
         elif mode == "disaggregated-local":  # short prompts prefilled by their decode worker
+            # None: the schema's default (configs/local.yaml's 0 is for the KV path's benchmarks)
             over.update({"mode": "disaggregated", "router.local_prefill_max_tokens": local_prefill})
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "local.yaml", **over)
     rows = []
@@ -205,13 +206,14 @@ def main() -> int:
     ap.add_argument("--long-every", type=int, default=5, help="one long prompt per this many requests")
     ap.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=60.0)
-    ap.add_argument("--modes", default="disaggregated,colocated,colocated-1x2",
-                    help="disaggregated: 1 prefill + 1 decode, 1 thread each; disaggregated-2+1: the prefill "
-                    "worker with 2 threads; disaggregated-local: 1 + 1, prompts up to --local-prefill tokens "
-                    "prefilled by the decode worker; colocated: 2 workers x 1 thread; colocated-1x2: 1 worker x 2 "
-                    "threads")
-    ap.add_argument("--local-prefill", type=int, default=256,
-                    help="router.local_prefill_max_tokens of the disaggregated-local mode")
+    ap.add_argument("--modes", default="disaggregated-local,disaggregated,colocated,colocated-1x2",
+                    help="disaggregated: 1 prefill + 1 decode, 1 thread each, every prompt through the prefill "
+                    "pool; disaggregated-2+1: the prefill worker with 2 threads; disaggregated-local: 1 + 1, "
+                    "prompts up to --local-prefill tokens prefilled by the decode worker (the default config); "
+                    "colocated: 2 workers x 1 thread; colocated-1x2: 1 worker x 2 threads")
+    ap.add_argument("--local-prefill", type=int, default=None,
+                    help="router.local_prefill_max_tokens of the disaggregated-local mode (default: the "
+                    "config schema's default)")
     ap.add_argument("--prefill-chunk", default="512",
                     help="engine.prefill_chunk_size: one for every mode, or MODE=N,... (512 where not given)")
     ap.add_argument("--out", default=str(OUT / "disagg_vs_colocated.json"))

@@ -49,7 +49,9 @@ def write_config(name: str, tmp: Path) -> Path:
 
     spec = dict(SHAPES[name])
     port, http, control = spec.pop("ports")
-    cfg = {"model": str(MODEL), **spec, "router": {"port": port, "http_port": http, "control_port": control}}
+    # Every prompt through the prefill pool: the simulator does not model local prefill.
+    cfg = {"model": str(MODEL), **spec, "router": {"port": port, "http_port": http, "control_port": control,
+                                                   "local_prefill_max_tokens": 0}}
     cfg["engine"] = {**cfg["engine"], "kv_cache_memory_bytes": 1 << 30}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -38,8 +38,11 @@ class ModelRunner:
     def _metadata(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        # Positions and KV slots as plain ints, made tensors once per step: a decode sequence's
+        # are one int each, where building them with torch ops cost ~70 us per sequence (2-3 ms
+        # of a 32-sequence step).
+        positions: list[int] = []
+        slots: list[int] = []
         prefills: list[PrefillSpan] = []
         dec_rows: list[int] = []
         dec_tables: list[list[int]] = []
@@ -51,26 +54,25 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ctx = start + n
             ids.extend(seq.token_ids[start:ctx])
-            pos = torch.arange(start, ctx)
-            table = torch.tensor(seq.block_table[: -(-ctx // bs)], dtype=torch.long)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            table = seq.block_table[: -(-ctx // bs)]
+            positions.extend(range(start, ctx))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, ctx))
             if n == 1:
                 dec_rows.append(row)
-                dec_tables.append(seq.block_table[: -(-ctx // bs)])
+                dec_tables.append(table)
                 dec_lens.append(ctx)
             else:
-                prefills.append(PrefillSpan(row, n, ctx, table.to(self.device)))
+                prefills.append(PrefillSpan(row, n, ctx, torch.tensor(table, dtype=torch.long, device=self.device)))
             row += n
             if item.samples:
                 sample_rows.append(row - 1)
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), prefills=prefills,
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=prefills,
                                  decode_groups=self._decode_groups(dec_rows, dec_tables, dec_lens), block_size=bs,
                                  sliding_window=self.sliding_window, native_decode=self.native_decode
                                  ).prepare(len(ids))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(positions).to(dev), meta, sample_rows
+        return input_ids, torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows
 
     def _decode_groups(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> list[DecodeGroup]:
         """Bucket decode sequences by context length (a new group once the length doubles), so

@@ -18,6 +18,12 @@ from engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
+# router.local_prefill_max_tokens when unset (and no SLA planner): short prompts such as a chat
+# turn's stay on their decode worker, where one 256-token step costs its batch about one
+# prefill chunk, while long prompts, whose prefill would stall every stream there, go to the
+# pool. The value bench/disagg_vs_colocated.py measured (issue 10, item 2).
+DEFAULT_LOCAL_PREFILL_TOKENS = 256
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -107,7 +113,8 @@ class RouterSection(_Strict):
     # that will stream it (Dynamo's conditional disaggregation), not by the prefill pool. A short
     # prompt then neither waits behind long prompts' chunks on a prefill worker nor ships its KV;
     # it costs the decode batch one longer step. 0: every prompt goes to the prefill pool.
-    local_prefill_max_tokens: int = Field(0, ge=0)
+    # Unset: DEFAULT_LOCAL_PREFILL_TOKENS, or 0 under the SLA planner (ClusterConfig._local_prefill).
+    local_prefill_max_tokens: int | None = Field(None, ge=0)
     # A worker dropped as dead (not drained) that has not registered again after this long is
     # stopped and replaced through the launcher, keeping each pool at its target.
     replace_after_s: float = Field(5.0, ge=0)
@@ -305,6 +312,19 @@ class ClusterConfig(_Strict):
             self.prefill.replicas, self.decode.replicas = self.pools.split()
         self.prefill.replicas = 1 if self.prefill.replicas is None else self.prefill.replicas
         self.decode.replicas = 1 if self.decode.replicas is None else self.decode.replicas
+        return self
+
+    @model_validator(mode="after")
+    def _local_prefill(self) -> ClusterConfig:
+        """Conditional disaggregation is on unless the SLA planner sizes the pools: it sizes the
+        prefill pool for every prompt's prefill and the decode pool for decode steps alone, so
+        short prompts computed by decode workers would be planned on the wrong pool."""
+        r = self.router
+        if r.local_prefill_max_tokens is None:
+            r.local_prefill_max_tokens = 0 if self.planner.mode == "sla" else DEFAULT_LOCAL_PREFILL_TOKENS
+        elif r.local_prefill_max_tokens and self.planner.mode == "sla" and self.mode == "disaggregated":
+            raise ValueError("router.local_prefill_max_tokens > 0 does not go with planner.mode sla: the planner "
+                             "sizes the prefill pool for every prompt; set it to 0 (or leave it unset)")
         return self
 
     @model_validator(mode="after")

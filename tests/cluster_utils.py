@@ -16,7 +16,10 @@ __all__ = ["InProcessCluster", "cluster_config", "make_config", "send_once", "wa
 def make_config(model: str, **overrides) -> ClusterConfig:
     base = {"model": model, "router.port": 0, "router.http_port": 0, "router.host": "127.0.0.1",
             "prefill.host": "127.0.0.1", "decode.host": "127.0.0.1", "colocated.host": "127.0.0.1",
-            "heartbeat.interval_s": 0.3, "engine.num_threads": 1}
+            "heartbeat.interval_s": 0.3, "engine.num_threads": 1,
+            # stories260K's prompts are all short: every one goes through the prefill pool and its
+            # KV ships, the path these tests are about (local prefill has its own test).
+            "router.local_prefill_max_tokens": 0}
     base.update(overrides)
     return load_config(None, **base)
 

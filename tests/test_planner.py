@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pdcommon.config import ClusterConfig, PlannerSection
+from pdcommon.config import DEFAULT_LOCAL_PREFILL_TOKENS, ClusterConfig, PlannerSection
 from pdcommon.step_cost import StepCostModel
 from router.planner import Arrival, Finished, Observation, PoolModel, SlaPlanner, Slos, erlang_c, make_planner
 from router.planner.forecast import Constant, Steady, Trend
@@ -220,6 +220,20 @@ def test_sla_planner_from_config(tmp_path):
     assert p.name == "sla"
     with pytest.raises(ValueError, match="colocated"):
         make_planner(ClusterConfig(mode="colocated", planner={"mode": "sla", "profile": str(path)}))
+
+
+def test_local_prefill_is_on_by_default_but_not_under_the_sla_planner(tmp_path):
+    """Conditional disaggregation is the default; the SLA planner sizes the prefill pool for
+    every prompt, so with it short prompts stay on the pool, and asking otherwise is an error."""
+    path = tmp_path / "p.json"
+    profile().save(path)
+    assert ClusterConfig().router.local_prefill_max_tokens == DEFAULT_LOCAL_PREFILL_TOKENS > 0
+    assert ClusterConfig(router={"local_prefill_max_tokens": 0}).router.local_prefill_max_tokens == 0
+    sla = {"mode": "sla", "profile": str(path)}
+    assert ClusterConfig(planner=sla).router.local_prefill_max_tokens == 0
+    assert ClusterConfig(planner=sla, router={"local_prefill_max_tokens": 0}).router.local_prefill_max_tokens == 0
+    with pytest.raises(ValueError, match="local_prefill_max_tokens > 0 does not go with planner.mode sla"):
+        ClusterConfig(planner=sla, router={"local_prefill_max_tokens": 64})
 
 
 def test_live_router_runs_the_planner_and_reports_it(stories_path, tmp_path, capsys):
