@@ -35,9 +35,10 @@ class EngineConfig:
     # torch compute threads; None leaves torch's default (all cores). Workers sharing a host set 1.
     num_threads: int | None = None
     # CPU GEMMs of the linear layers. "native" (fp32 on the CPU with a C compiler, else "both"):
-    # the native panel GEMM (engine/csrc/panel_gemm.c) for 1-128 rows of layers with 32K+
-    # weights, MKL for the rest, at twice those layers' memory; decode batches of 1-32 rows ran
-    # 1.3-2.1x faster than either library on the 50M model's layers (engine/model.py).
+    # the native panel GEMM (engine/csrc/panel_gemm.c) for layers with 32K+ weights, decode
+    # batches and prompts alike (MKL past 8192 rows and for smaller layers), at twice those
+    # layers' memory; decode batches of 1-32 rows ran 1.3-2.1x faster than either library on the
+    # 50M model's layers, and prompts prefilled 2-19% faster than with MKL (engine/model.py).
     # "both": oneDNN (vLLM's CPU layout) from 2 to 128 rows, MKL
     # for one row and for more than 128, at twice the linear weights' memory. "onednn": oneDNN
     # only, one copy. "mkl": W transposed for MKL, one copy. On an AMD EPYC host (AVX2) MKL's

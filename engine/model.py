@@ -43,14 +43,15 @@ class RMSNorm(nn.Module):
 # oneDNN was 1.1-1.7x faster at 2-128 rows and MKL 3-11% faster from 200 on (4 linears of the 50M
 # model, 2 threads); at one row they tie, and one row was MKL's best case on Intel.
 ONEDNN_MAX_ROWS = 128
-# The native panel GEMM (engine/csrc/panel_gemm.c) serves up to this many rows, for weights of at
-# least NATIVE_MIN_WEIGHT elements. On the 50M benchmark model's layers (AMD EPYC, AVX2, 2
-# threads, weights read from memory as in a step) it ran 1 row 1.6-2.1x faster than MKL or
-# oneDNN, 8 rows 1.5x and 32 rows 1.3x faster than oneDNN, and 128 rows a few percent faster;
-# MKL takes longer prompts, where the libraries' cache blocking wins. Below ~32K elements (the
-# 64-wide layers of stories260K) a call is mostly overhead, and MKL's is the smallest: ~6 us,
-# against ~11 us through ctypes and ~65 us for oneDNN.
-NATIVE_MAX_ROWS = 128
+# The native panel GEMM (engine/csrc/panel_gemm.c) serves up to this many rows (an engine step's
+# tokens: MKL only past it), for weights of at least NATIVE_MIN_WEIGHT elements. On the 50M
+# benchmark model's layers (AMD EPYC, AVX2, 2 threads, weights read from memory as in a step) it
+# ran 1 row 1.6-2.1x faster than MKL or oneDNN, 8 rows 1.5x and 32 rows 1.3x faster than oneDNN;
+# with its rows blocked, whole prompts of 256 / 512 / 1024 / 2048 tokens prefilled 12-19% / 8-11%
+# / 4-8% / 2-12% faster than with MKL above 128 rows (three same-process runs). Below ~32K
+# elements (the 64-wide layers of stories260K) a call is mostly overhead, and MKL's is the
+# smallest: ~6 us, against ~11 us through ctypes and ~65 us for oneDNN.
+NATIVE_MAX_ROWS = 8192
 NATIVE_MIN_WEIGHT = 32768
 
 

@@ -1,6 +1,7 @@
-"""The native panel GEMM (engine/csrc/panel_gemm.c) behind `Linear` for decode-sized batches:
-the same product as MKL for every row count it serves, odd widths, biases and strided rows; only
-layers large enough to gain from it get the panel copy."""
+"""The native panel GEMM (engine/csrc/panel_gemm.c) behind `Linear` for decode batches and
+prompts: the same product as MKL for every row count it serves (within and across its row
+blocks), odd widths, biases and strided rows; only layers large enough to gain from it get the
+panel copy."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def test_panel_gemm_matches_mkl(k, n, bias):
     lin = _linear(k, n, bias, seed=k + n)
     assert lin.pack_panels() and lin.native_rows == range(1, NATIVE_MAX_ROWS + 1)
     with torch.inference_mode():
-        for m in (1, 2, 3, 5, 6, 7, 12, 17, NATIVE_MAX_ROWS):
+        # 95-97, 193: either side of the kernel's 96-row blocks; 300: several blocks and a short one
+        for m in (1, 2, 3, 5, 6, 7, 12, 17, 95, 96, 97, 193, 300, NATIVE_MAX_ROWS):
             for x in (torch.randn(m, k), torch.randn(m, k + 9)[:, 4:4 + k]):  # dense rows, then strided
                 want = torch.addmm(lin.bias, x, lin.weight_t) if bias else x @ lin.weight_t
                 got = lin(x)

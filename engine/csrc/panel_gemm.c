@@ -1,4 +1,5 @@
-/* Small-batch GEMM from panel-packed weights: y[m, n] = x[m, k] @ W[k, n] (+ bias[n]).
+/* GEMM from panel-packed weights: y[m, n] = x[m, k] @ W[k, n] (+ bias[n]), for decode batches
+ * and prompt chunks alike.
  *
  * Decode reads every weight once per step for a handful of rows, so it is bound by memory, not
  * arithmetic. MKL and oneDNN reach 3-9 GB/s at 1-16 rows on the 50M benchmark model's layers
@@ -11,12 +12,19 @@
  * vector registers at MR 6) held in registers for the whole k loop; more rows re-read the panel
  * from L2 (k x NB x 4 bytes: 32-90 KiB here). Panels are split across torch's OpenMP team (the
  * library shares torch's runtime, see engine/kernels.py). The last panel is zero-padded, so a
- * width that is not a multiple of NB costs only the padding. */
+ * width that is not a multiple of NB costs only the padding.
+ *
+ * Prompts: rows go in blocks of MB_ROWS, every panel swept per block, so a block of x (96 x k
+ * floats: 192-540 KiB here) stays in cache while the panels stream past it; the weights, a few
+ * MiB per layer, come from L3 once per block. Without the blocks every panel re-read all of x
+ * (4-11 MiB at 2048 rows) from memory, and 2048-token prompts ran 6% slower than MKL; blocked,
+ * 128-2048-token prompts of the 50M model prefill 2-19% faster than with MKL (engine/model.py). */
 #include <stdint.h>
 #include <string.h>
 
 #define NB 16 /* panel width: one 64-byte cache line of fp32 */
 #define MR 6  /* rows of x per sweep of a panel */
+#define MB_ROWS 96 /* rows of x per block (a multiple of MR: no short tile inside a block) */
 
 #define MICRO(R)                                                                              \
     static void micro_##R(const float *x, int64_t ldx, int64_t k, const float *p, float *out) { \
@@ -45,25 +53,30 @@ void panel_gemm_limits(int *panel_width) { *panel_width = NB; }
 void panel_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels, int64_t n,
                 const float *bias, float *y, int64_t ldy) {
     const int64_t np = (n + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < np; ++j) {
-        const float *p = panels + j * k * NB;
-        const int64_t j0 = j * NB, nw = n - j0 < NB ? n - j0 : NB;
-        float tile[MR * NB];
-        for (int64_t i0 = 0; i0 < m; i0 += MR) {
-            const int r = (int)(m - i0 < MR ? m - i0 : MR);
-            const float *xi = x + i0 * ldx;
-            switch (r) {
-            case 1: micro_1(xi, ldx, k, p, tile); break;
-            case 2: micro_2(xi, ldx, k, p, tile); break;
-            case 3: micro_3(xi, ldx, k, p, tile); break;
-            case 4: micro_4(xi, ldx, k, p, tile); break;
-            case 5: micro_5(xi, ldx, k, p, tile); break;
-            default: micro_6(xi, ldx, k, p, tile); break;
-            }
-            for (int rr = 0; rr < r; ++rr) {
-                float *yr = y + (i0 + rr) * ldy + j0;
-                for (int64_t c = 0; c < nw; ++c) yr[c] = tile[rr * NB + c] + (bias ? bias[j0 + c] : 0.f);
+#pragma omp parallel
+    for (int64_t b0 = 0; b0 < m; b0 += MB_ROWS) {
+        const int64_t b1 = b0 + MB_ROWS < m ? b0 + MB_ROWS : m;
+        /* nowait: each thread writes only its own panels' columns, whatever the block */
+#pragma omp for schedule(static) nowait
+        for (int64_t j = 0; j < np; ++j) {
+            const float *p = panels + j * k * NB;
+            const int64_t j0 = j * NB, nw = n - j0 < NB ? n - j0 : NB;
+            float tile[MR * NB];
+            for (int64_t i0 = b0; i0 < b1; i0 += MR) {
+                const int r = (int)(b1 - i0 < MR ? b1 - i0 : MR);
+                const float *xi = x + i0 * ldx;
+                switch (r) {
+                case 1: micro_1(xi, ldx, k, p, tile); break;
+                case 2: micro_2(xi, ldx, k, p, tile); break;
+                case 3: micro_3(xi, ldx, k, p, tile); break;
+                case 4: micro_4(xi, ldx, k, p, tile); break;
+                case 5: micro_5(xi, ldx, k, p, tile); break;
+                default: micro_6(xi, ldx, k, p, tile); break;
+                }
+                for (int rr = 0; rr < r; ++rr) {
+                    float *yr = y + (i0 + rr) * ldy + j0;
+                    for (int64_t c = 0; c < nw; ++c) yr[c] = tile[rr * NB + c] + (bias ? bias[j0 + c] : 0.f);
+                }
             }
         }
     }
