@@ -165,6 +165,9 @@ def pdserve_yaml(stories_path: str, tmp_path: Path) -> Path:
     token.chmod(0o600)
     cfg.update(model=stories_path, security={"mode": "token", "token_file": str(token)})
     cfg["engine"]["num_threads"] = 1
+    # stories260K's prompts are all short: without this the decode host would prefill them
+    # itself (router.local_prefill_max_tokens' default), and no KV would cross between the hosts.
+    cfg.setdefault("router", {})["local_prefill_max_tokens"] = 0
     path = tmp_path / "pdserve.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
