@@ -68,14 +68,14 @@ def _wait_for_signal() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    """Start router + pools (Ray actors, or child processes with --launcher process); print the
-    router address; stop cleanly on Ctrl-C."""
+    """Start router + pools (Ray actors, or child processes: `_launcher`); print the router
+    address; stop cleanly on Ctrl-C."""
     from pdcommon.security import SecurityConfigError
     from pdserve.launch.cluster import RayCluster
 
     cfg = _config(args)
     t0 = time.perf_counter()
-    if args.launcher == "process":
+    if _launcher(cfg, args.launcher) == "process":
         return _up_processes(cfg, t0)
     cluster = RayCluster(cfg)
     try:
@@ -93,8 +93,19 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launcher(cfg, asked: str) -> str:
+    """`auto`: Ray when joining a running Ray cluster (--ray-address, RAY_ADDRESS or the YAML's
+    `ray.address`, as on a `ray up` cluster), else child processes: on one host Ray's own start is
+    most of `pdserve up` (about 6 s of ray.init here, against 4 s for the whole cluster as
+    processes), and what it adds there, restarting a dead router, vLLM and SGLang do without."""
+    if asked != "auto":
+        return asked
+    joining = (cfg.ray.address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")
+    return "ray" if joining else "process"
+
+
 def _up_processes(cfg, t0: float) -> int:
-    """`pdserve up --launcher process`: the router in this process, workers as its children."""
+    """`pdserve up` with processes: the router in this process, workers as its children."""
     from pdcommon.priority import lower_thread_priority
     from pdcommon.security import ClusterIdentity, SecurityConfigError, provision_token, remove_secret, token_path
     from pdserve.launch.cluster import pin_ports
@@ -436,16 +447,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=None, help="local Hugging Face model folder (overrides the YAML)")
         p.add_argument("--transport", choices=["zmq", "grpc"], default=None, help="KV transfer transport")
 
-    p = sub.add_parser("up", help="start router + pools (Ray actors, or child processes with --launcher process)")
+    p = sub.add_parser("up", help="start router + pools (child processes on one host; Ray actors when joining "
+                       "a Ray cluster or with --launcher ray)")
     with_config(p)
     p.add_argument("--port", type=int, default=None, help="router gRPC port (overrides the YAML)")
     p.add_argument("--http-port", type=int, default=None, help="router HTTP port (overrides the YAML)")
     p.add_argument("--control-port", type=int, default=None, help="router control-plane port (overrides the YAML)")
     p.add_argument("--ray-address", default=None, help="join this running Ray cluster (default: RAY_ADDRESS, "
                    "else the YAML, else an embedded local one)")
-    p.add_argument("--launcher", choices=["ray", "process"], default="ray",
-                   help="ray: router and workers as Ray actors (one host or many); process: this machine only, "
-                   "the router in this process and each worker a child process (no Ray: starts in seconds)")
+    p.add_argument("--launcher", choices=["auto", "ray", "process"], default="auto",
+                   help="ray: router and workers as Ray actors (one host or many; Ray restarts a dead router); "
+                   "process: this machine only, the router in this process and each worker a child process (no "
+                   "Ray: starts in seconds); auto (default): ray when joining a Ray cluster (--ray-address, "
+                   "RAY_ADDRESS or the YAML's ray.address), else process")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("generate", help="stream a completion from a running router")

@@ -74,7 +74,8 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 90) 
 
 
 def test_up_generate_status_scale_and_clean_stop(stories_path):
-    up = subprocess.Popen([*PDSERVE, "up", "--config", "configs/local.yaml", "--port", "0", "--http-port", "0"],
+    up = subprocess.Popen([*PDSERVE, "up", "--launcher", "ray", "--config", "configs/local.yaml", "--port", "0",
+                           "--http-port", "0"],
                           cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -121,7 +122,8 @@ def _up_processes(tmp_path: Path, env: dict | None = None) -> tuple[subprocess.P
     cfg["heartbeat"] = {"interval_s": 0.5, "timeout_s": 2.0}
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    up = subprocess.Popen([*PDSERVE, "up", "--launcher", "process", "--config", str(path), "--port", "0",
+    # No --launcher: on one host, not joining a Ray cluster, `auto` starts worker processes.
+    up = subprocess.Popen([*PDSERVE, "up", "--config", str(path), "--port", "0",
                            "--http-port", "0", "--control-port", str(free_port("127.0.0.1"))],
                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, **(env or {})})
@@ -147,7 +149,8 @@ def _children(up: subprocess.Popen) -> dict[str, psutil.Process]:
 
 
 def test_up_with_worker_processes(stories_path, tmp_path):
-    """`pdserve up --launcher process`: no Ray; the router in `up`, each worker a child process.
+    """`pdserve up` on one host (the `auto` launcher: no Ray); the router in `up`, each worker a
+    child process.
     It serves greedy tokens equal to transformers', replaces a worker that dies, stops cleanly,
     and its workers do not outlive an `up` that is killed."""
     up, addr, output = _up_processes(tmp_path)

@@ -1,4 +1,4 @@
-"""`pdserve up --launcher process`: one machine without Ray. The router runs in the `pdserve up`
+"""`pdserve up` on one host (the default, or `--launcher process`): no Ray. The router runs in the `pdserve up`
 process and each worker is a child process (`pdserve prefill|decode|colocated`), as vLLM and
 SGLang run a single node.
 
