@@ -438,13 +438,30 @@ def _stream_times(client, request) -> tuple[list[float], dict, dict]:
     return arrivals, timings, usage
 
 
+def reexec_as_a_worker(args) -> None:
+    """Start over in the malloc environment pdserve's engine processes run in (process_env):
+    glibc reads it only at process start, and the spawned receiver inherits it. Every row runs
+    in it, the raw baselines too. Without it each 4 MiB message ZeroMQ receives is a fresh mmap,
+    page-faulted in and returned (and so is every gathered frame), where a worker reuses its heap:
+    the bench measured a transport slower than the one that serves."""
+    from pdcommon.process_env import engine_process_env, missing_from
+
+    want = engine_process_env(1)
+    if args.plain_malloc or not missing_from(os.environ, want):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": want["GLIBC_TUNABLES"]})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plain-malloc", action="store_true",
+                    help="keep this shell's malloc settings instead of the workers' (GLIBC_TUNABLES)")
     ap.add_argument("--out", default=str(OUT / "transfer.json"))
     ap.add_argument("--only", default="", help="comma-separated rows to run, of zmq, grpc, curve, tls, ttft "
                     "(the raw baselines always run): one transport's change measured in a minute")
     args = ap.parse_args()
+    reexec_as_a_worker(args)
     only = set(filter(None, args.only.split(",")))
     if only - ONLY_ROWS:
         ap.error(f"--only: unknown rows {sorted(only - ONLY_ROWS)}; choose from {sorted(ONLY_ROWS)}")
@@ -480,6 +497,7 @@ def main() -> int:
               f"token {r['second_token_gap'] * 1e3:.1f} ms after the first, ITL p50 {r['itl_p50'] * 1e3:.1f} ms "
               f"(within 2 ITL: {r['second_within_ttft_plus_2itl']})")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    result["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # every row ran with these
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"-> {args.out}")
     return 0
