@@ -80,6 +80,10 @@ class Cluster:
         self.up: dict[str, list[SimWorker]] = {r: [] for r in settings.roles}
         self.queue: deque[SimRequest] = deque()
         self.owner: OrderedDict[int, SimWorker] = OrderedDict()  # prefix block -> prefill worker
+        # Up prefill workers by (queued tokens, load, id), the routing key: each change pushes the
+        # worker's new key and stale ones are dropped when they surface, so routing a request is
+        # a heap peek, not a scan of the pool (which was most of a 256-worker simulation).
+        self.by_queue: list[tuple[int, int, int, SimWorker]] = []
         self.done: list[SimRequest] = []
         self.window_arrivals: list[Arrival] = []
         self.window_finished: list[Finished] = []
@@ -140,6 +144,7 @@ class Cluster:
             return  # removed while starting
         w.state = "up"
         self.up[w.role].append(w)
+        self._rekey(w)
         self._admit()
 
     def _gone(self, w: SimWorker) -> None:
@@ -201,9 +206,11 @@ class Cluster:
                 self._finish(req, w)
         for req, n in plan:
             req.done += n
+            w.queued -= n
             if req.done >= req.prompt_len:
                 w.queue.remove(req)
                 self._prefilled(req, w)
+        self._rekey(w)
         self._step(w)
 
     # ---- the request path -----------------------------------------------------------------
@@ -226,6 +233,7 @@ class Cluster:
                 w.add_decode(req)
             return
         w.load -= 1
+        self._rekey(w)
         if req.output_len <= 1:
             self._record(req)
         else:
@@ -278,6 +286,8 @@ class Cluster:
             self.window_prompt += req.prompt_len
             self.window_cached += req.cached
             p.queue.append(req)
+            p.queued += req.prompt_len - req.done
+            self._rekey(p)
             self.kick(p)
 
     def _candidates(self, pool: list[SimWorker]) -> list[SimWorker]:
@@ -298,15 +308,23 @@ class Cluster:
         pool = self.up["prefill"]
         if not pool:
             return None
-        cands = self._candidates(pool)
-        holder, saved = None, 0
+        holder, saved, holder_up = None, 0, False
         if self.s.routing == "prefix_aware" and req.hash_ids:
             depth = next((i + 1 for i in range(len(req.hash_ids) - 1, -1, -1) if req.hash_ids[i] in self.owner), 0)
             holder = self.owner[req.hash_ids[depth - 1]] if depth else None
-            if holder is not None and holder.state == "up":
+            holder_up = holder is not None and holder.state == "up"
+            if holder_up:
                 saved = min(depth * MOONCAKE_BLOCK_TOKENS, req.prompt_len - 1)
-                cands = cands if holder in cands else [*cands, holder]
-        best = min(cands, key=lambda w: (w.queued_tokens - (saved if w is holder else 0), w.load, w.wid))
+        if len(pool) <= SCAN_LIMIT:
+            # The whole pool (the holder, when up, is in it): its least-queued worker, unless the
+            # holder is less, counting the prompt tokens its cache saves.
+            top = self._least_queued()
+            best = holder if saved and (holder.queued - saved, holder.load, holder.wid) < top[:3] else top[3]
+        else:
+            cands = self._candidates(pool)
+            if holder_up and holder not in cands:
+                cands.append(holder)
+            best = min(cands, key=lambda w: (w.queued_tokens - (saved if w is holder else 0), w.load, w.wid))
         if self.s.routing == "prefix_aware" and req.hash_ids:
             for h in req.hash_ids:
                 self.owner[h] = best
@@ -314,6 +332,22 @@ class Cluster:
             while len(self.owner) > 100_000:
                 self.owner.popitem(last=False)
         return best
+
+    def _rekey(self, w: SimWorker) -> None:
+        if w.role == "prefill" and w.state == "up":
+            heapq.heappush(self.by_queue, (w.queued, w.load, w.wid, w))
+
+    def _least_queued(self) -> tuple[int, int, int, SimWorker]:
+        """The up prefill worker with the least (queued tokens, load, id)."""
+        heap = self.by_queue
+        if len(heap) > 8 * len(self.up["prefill"]) + 64:  # mostly stale: rebuild
+            heap[:] = [(w.queued, w.load, w.wid, w) for w in self.up["prefill"]]
+            heapq.heapify(heap)
+        while True:
+            q, load, _, w = heap[0]
+            if w.state == "up" and q == w.queued and load == w.load:
+                return heap[0]
+            heapq.heappop(heap)
 
     # ---- the planner ----------------------------------------------------------------------
     def _tick(self) -> None:
