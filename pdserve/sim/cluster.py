@@ -84,6 +84,8 @@ class Cluster:
         # worker's new key and stale ones are dropped when they surface, so routing a request is
         # a heap peek, not a scan of the pool (which was most of a 256-worker simulation).
         self.by_queue: list[tuple[int, int, int, SimWorker]] = []
+        # Up decode (or colocated) workers by (load, -free KV, id), admission's key, kept alike.
+        self.by_load: list[tuple[int, int, int, SimWorker]] = []
         self.done: list[SimRequest] = []
         self.window_arrivals: list[Arrival] = []
         self.window_finished: list[Finished] = []
@@ -250,6 +252,7 @@ class Cluster:
     def _finish(self, req: SimRequest, w: SimWorker) -> None:
         w.load -= 1
         w.kv_free += req.kv_tokens
+        self._rekey(w)
         self._record(req)
         self._admit()
         if w.state == "draining" and w.idle and not w.busy:
@@ -279,6 +282,7 @@ class Cluster:
                 d.kv_free -= req.kv_tokens
                 d.load += 1
                 req.decoder = d
+                self._rekey(d)
             if not colocated:
                 p.load += 1
             hits = p.lookup(req.hash_ids)
@@ -298,6 +302,8 @@ class Cluster:
 
     def _pick(self, pool: list[SimWorker], req: SimRequest) -> SimWorker | None:
         need = req.kv_tokens
+        if len(pool) <= SCAN_LIMIT:
+            return self._least_loaded_fitting(need) if pool else None
         for cands in (self._candidates(pool), pool):
             fits = [w for w in cands if w.kv_free >= need]
             if fits:
@@ -334,8 +340,33 @@ class Cluster:
         return best
 
     def _rekey(self, w: SimWorker) -> None:
-        if w.role == "prefill" and w.state == "up":
+        if w.state != "up":
+            return
+        if w.role == "prefill":
             heapq.heappush(self.by_queue, (w.queued, w.load, w.wid, w))
+        else:
+            heapq.heappush(self.by_load, (w.load, -w.kv_free, w.wid, w))
+
+    def _least_loaded_fitting(self, need: int) -> SimWorker | None:
+        """The up decode (colocated) worker with the least (load, -free KV, id) among those with
+        `need` KV tokens free, or None."""
+        heap, pool = self.by_load, self.up["colocated" if self.s.mode == "colocated" else "decode"]
+        if len(heap) > 8 * len(pool) + 64:  # mostly stale: rebuild
+            heap[:] = [(w.load, -w.kv_free, w.wid, w) for w in pool]
+            heapq.heapify(heap)
+        skipped, found = [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            load, neg_free, _, w = entry
+            if w.state != "up" or load != w.load or neg_free != -w.kv_free:
+                continue  # stale
+            skipped.append(entry)
+            if w.kv_free >= need:
+                found = w
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
 
     def _least_queued(self) -> tuple[int, int, int, SimWorker]:
         """The up prefill worker with the least (queued tokens, load, id)."""
