@@ -16,7 +16,7 @@ from pdserve.sim.cluster import Cluster, SimSettings
 from pdserve.sim.command import default_profile, parse_trace
 from pdserve.sim.report import summarize
 from pdserve.sim.search import best_static, run_planner, scale_trace, settings_from
-from pdserve.sim.traces import TraceRequest, poisson
+from pdserve.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, poisson
 from pdserve.sim.workers import run_time, steps_done
 from router.planner import StaticPlanner
 
@@ -100,6 +100,50 @@ def test_decode_runs_match_a_step_by_step_reference():
     for r in got:
         assert r.first == pytest.approx(want[r.rid][0], rel=1e-9, abs=1e-9)
         assert r.finish == pytest.approx(want[r.rid][1], rel=1e-9, abs=1e-9)
+
+
+class ScanChecked(Cluster):
+    """Checks every routing choice against a scan of the whole pool, with each worker's queued
+    tokens summed from its queue: what the heaps and counters stand in for."""
+
+    checked = 0
+
+    def _pick_prefill(self, req):
+        pool = list(self.up["prefill"])
+        holder, saved = None, 0
+        if req.hash_ids:  # prefix_aware: the worker that last took the deepest block held
+            depth = next((i + 1 for i in range(len(req.hash_ids) - 1, -1, -1) if req.hash_ids[i] in self.owner), 0)
+            holder = self.owner[req.hash_ids[depth - 1]] if depth else None
+            if holder is not None and holder.state == "up":
+                saved = min(depth * MOONCAKE_BLOCK_TOKENS, req.prompt_len - 1)
+        got = super()._pick_prefill(req)
+        if pool:
+            def key(w):
+                return (sum(r.prompt_len - r.done for r in w.queue) - (saved if w is holder else 0), w.load, w.wid)
+            assert got is min(pool, key=key)
+            ScanChecked.checked += 1
+        return got
+
+    def _pick(self, pool, req):
+        fits = [w for w in pool if w.kv_free >= req.kv_tokens]
+        got = super()._pick(pool, req)
+        assert got is (min(fits, key=lambda w: (w.load, -w.kv_free, w.wid)) if fits else None)
+        return got
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_routing_picks_what_a_scan_of_the_pool_picks(mode):
+    rng = random.Random(5)
+    # Bursty arrivals over shared prefixes (Mooncake-style block ids), more load than the pools
+    # clear at once, so queues, loads and free KV all differ between workers when a request comes.
+    reqs = sorted((TraceRequest(rng.uniform(0, 30), rng.randint(200, 3000), rng.randint(1, 60),
+                                tuple(range(rng.randint(0, 3) * 10, rng.randint(0, 3) * 10 + rng.randint(0, 5))))
+                   for _ in range(400)), key=lambda r: r.arrival_s)
+    split = {"colocated": 6} if mode == "colocated" else {"prefill": 5, "decode": 3}
+    ScanChecked.checked = 0
+    res = ScanChecked(SimSettings(profile=profile(), mode=mode), StaticPlanner(split), split).run(reqs)
+    assert all(r.finish is not None for r in res.requests)
+    assert mode == "colocated" or ScanChecked.checked == len(reqs)
 
 
 def test_attainment_falls_with_load_and_recovers_with_workers():
