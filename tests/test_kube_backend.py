@@ -145,7 +145,10 @@ def test_the_planner_scales_the_deployments(kube, stories_path, tmp_path):
     from pdcommon.step_cost import StepCostModel
 
     profile = tmp_path / "slow-chip.json"
-    StepCostModel([1, 64], [0.01, 0.2], 0.0, 0.0, kv_capacity_tokens=4096).save(profile)  # asks for more
+    # A chip slow enough that the burst needs more than one prefill worker even at the rate the
+    # planner's forecaster smooths it to: at 0.2 s per 64 tokens it held at one worker whenever
+    # the 16 requests fell inside one 0.5 s interval (a fast machine, or a lucky split).
+    StepCostModel([1, 64], [0.01, 0.6], 0.0, 0.0, kv_capacity_tokens=4096).save(profile)
     cluster = ProcessCluster(stories_path, tmp_path, prefill=1, decode=1,
                              **{"kubernetes.kubeconfig": str(tmp_path / "kubeconfig"), "planner.mode": "sla",
                                 "planner.profile": str(profile), "planner.interval_s": 0.5,
