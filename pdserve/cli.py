@@ -98,10 +98,11 @@ def _launcher(cfg, asked: str) -> str:
     `ray.address`, as on a `ray up` cluster), else child processes: on one host Ray's own start is
     most of `pdserve up` (about 6 s of ray.init here, against 4 s for the whole cluster as
     processes), and what it adds there, restarting a dead router, vLLM and SGLang do without."""
+    from pdserve.launch.cluster import ray_address
+
     if asked != "auto":
         return asked
-    joining = (cfg.ray.address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")
-    return "ray" if joining else "process"
+    return "ray" if ray_address(cfg) is not None else "process"
 
 
 def _up_processes(cfg, t0: float) -> int:

@@ -15,6 +15,13 @@ from pdcommon.security import ClusterIdentity, provision_token, remove_secret, t
 log = logging.getLogger(__name__)
 
 
+def ray_address(cfg: ClusterConfig) -> str | None:
+    """The running Ray cluster to join (the YAML's `ray.address`, else Ray's own convention,
+    RAY_ADDRESS), or None: no cluster named, or "local" (an embedded one)."""
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS")
+    return None if address in (None, "", "local") else address
+
+
 def pin_ports(cfg: ClusterConfig) -> None:
     """Replace the router's port-0 ("any free port") settings with concrete free ports, so that
     workers can be told where the router's control plane is before it listens."""
@@ -43,8 +50,8 @@ class RayCluster:
         pin_ports(self.cfg)
 
     def start(self, timeout_s: float = 300.0) -> str:
-        joining = (self.cfg.ray.address or os.environ.get("RAY_ADDRESS")) not in (None, "", "local")
-        if joining and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+        address = ray_address(self.cfg)
+        if address is not None and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
             # `ray start` turns token auth on when ~/.ray/auth_token exists; a joining driver must do the
             # same (before Ray is imported: it reads the mode once) or the cluster refuses it.
             os.environ["RAY_AUTH_MODE"] = "token"
@@ -55,9 +62,7 @@ class RayCluster:
 
         if not ray.is_initialized():
             r = self.cfg.ray
-            # Ray's own convention: RAY_ADDRESS names a running cluster to join.
-            address = r.address or os.environ.get("RAY_ADDRESS")
-            if address in (None, "", "local"):
+            if address is None:
                 # Ray starts workers at nice 15 by default; ours return to process.nice themselves,
                 # which needs privilege, so the embedded instance starts them at 0 to begin with.
                 ray.init(address="local", _node_ip_address=r.node_ip_address, include_dashboard=False,
@@ -73,7 +78,7 @@ class RayCluster:
         ClusterIdentity.from_config(self.cfg.security)  # fail here, not inside an actor, when certs are missing
         cfg = self.cfg.model_dump()
         # Joining a cluster, the router stays on this node: its address is the one printed here.
-        where = on_this_node() if joining else {}
+        where = on_this_node() if address is not None else {}
         self.router = RouterActor.options(name=f"{self.name}-router", **where).remote(cfg, self.name)
         counts = {role: self.cfg.pool(role).replicas for role in self.cfg.roles}
         # Asked first: the workers start while the router does (its ports are fixed above).
