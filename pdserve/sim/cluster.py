@@ -80,12 +80,10 @@ class Cluster:
         self.up: dict[str, list[SimWorker]] = {r: [] for r in settings.roles}
         self.queue: deque[SimRequest] = deque()
         self.owner: OrderedDict[int, SimWorker] = OrderedDict()  # prefix block -> prefill worker
-        # Up prefill workers by (queued tokens, load, id), the routing key: each change pushes the
-        # worker's new key and stale ones are dropped when they surface, so routing a request is
-        # a heap peek, not a scan of the pool (which was most of a 256-worker simulation).
-        self.by_queue: list[tuple[int, int, int, SimWorker]] = []
-        # Up decode (or colocated) workers by (load, -free KV, id), admission's key, kept alike.
-        self.by_load: list[tuple[int, int, int, SimWorker]] = []
+        # Each pool's up workers by their routing key (_route_key): each change pushes the worker's
+        # new key and stale ones are dropped when they surface, so routing a request is a heap
+        # peek, not a scan of the pool (which was most of a 256-worker simulation).
+        self.by_key: dict[str, list[tuple[int, int, int, SimWorker]]] = {r: [] for r in settings.roles}
         self.done: list[SimRequest] = []
         self.window_arrivals: list[Arrival] = []
         self.window_finished: list[Finished] = []
@@ -295,8 +293,7 @@ class Cluster:
             self.kick(p)
 
     def _candidates(self, pool: list[SimWorker]) -> list[SimWorker]:
-        if len(pool) <= SCAN_LIMIT:
-            return pool
+        """SAMPLE random workers of a pool larger than SCAN_LIMIT (smaller ones route by heap)."""
         n, pick = len(pool), self.rng.randrange
         return [pool[pick(n)] for _ in range(SAMPLE)]
 
@@ -324,7 +321,7 @@ class Cluster:
         if len(pool) <= SCAN_LIMIT:
             # The whole pool (the holder, when up, is in it): its least-queued worker, unless the
             # holder is less, counting the prompt tokens its cache saves.
-            top = self._least_queued()
+            top = self._fresh_heap("prefill")[0]
             best = holder if saved and (holder.queued - saved, holder.load, holder.wid) < top[:3] else top[3]
         else:
             cands = self._candidates(pool)
@@ -339,26 +336,35 @@ class Cluster:
                 self.owner.popitem(last=False)
         return best
 
+    @staticmethod
+    def _route_key(w: SimWorker) -> tuple[int, int, int]:
+        """Prefill: (queued tokens, load, id); decode and colocated: (load, -free KV, id)."""
+        return (w.queued, w.load, w.wid) if w.role == "prefill" else (w.load, -w.kv_free, w.wid)
+
     def _rekey(self, w: SimWorker) -> None:
-        if w.state != "up":
-            return
-        if w.role == "prefill":
-            heapq.heappush(self.by_queue, (w.queued, w.load, w.wid, w))
-        else:
-            heapq.heappush(self.by_load, (w.load, -w.kv_free, w.wid, w))
+        if w.state == "up":
+            heapq.heappush(self.by_key[w.role], (*self._route_key(w), w))
+
+    def _fresh_heap(self, role: str) -> list[tuple[int, int, int, SimWorker]]:
+        """The pool's heap with a current entry on top (or empty): stale tops popped, and the
+        whole heap rebuilt once stale entries outnumber the pool."""
+        heap, pool = self.by_key[role], self.up[role]
+        if len(heap) > 8 * len(pool) + 64:
+            heap[:] = [(*self._route_key(w), w) for w in pool]
+            heapq.heapify(heap)
+        while heap and not (heap[0][3].state == "up" and heap[0][:3] == self._route_key(heap[0][3])):
+            heapq.heappop(heap)
+        return heap
 
     def _least_loaded_fitting(self, need: int) -> SimWorker | None:
         """The up decode (colocated) worker with the least (load, -free KV, id) among those with
         `need` KV tokens free, or None."""
-        heap, pool = self.by_load, self.up["colocated" if self.s.mode == "colocated" else "decode"]
-        if len(heap) > 8 * len(pool) + 64:  # mostly stale: rebuild
-            heap[:] = [(w.load, -w.kv_free, w.wid, w) for w in pool]
-            heapq.heapify(heap)
+        heap = self._fresh_heap("colocated" if self.s.mode == "colocated" else "decode")
         skipped, found = [], None
         while heap:
             entry = heapq.heappop(heap)
-            load, neg_free, _, w = entry
-            if w.state != "up" or load != w.load or neg_free != -w.kv_free:
+            w = entry[3]
+            if w.state != "up" or entry[:3] != self._route_key(w):
                 continue  # stale
             skipped.append(entry)
             if w.kv_free >= need:
@@ -367,18 +373,6 @@ class Cluster:
         for entry in skipped:
             heapq.heappush(heap, entry)
         return found
-
-    def _least_queued(self) -> tuple[int, int, int, SimWorker]:
-        """The up prefill worker with the least (queued tokens, load, id)."""
-        heap = self.by_queue
-        if len(heap) > 8 * len(self.up["prefill"]) + 64:  # mostly stale: rebuild
-            heap[:] = [(w.queued, w.load, w.wid, w) for w in self.up["prefill"]]
-            heapq.heapify(heap)
-        while True:
-            q, load, _, w = heap[0]
-            if w.state == "up" and q == w.queued and load == w.load:
-                return heap[0]
-            heapq.heappop(heap)
 
     # ---- the planner ----------------------------------------------------------------------
     def _tick(self) -> None:
