@@ -184,6 +184,7 @@ def main() -> int:
     kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
     result = {"model": {"path": str(path), **nums, "dtype": "float32"}, "threads": args.threads,
               "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""), "ceilings": ceil,
+              "cpu_gemm": eng.gemm_layout, "gemm_routes": eng.gemm_routes,
               "prefill": [], "decode": []}
     for n in lengths:
         achieved = prefill_flops(spec, nums, n) * ours_pf[n] / n

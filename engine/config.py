@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 DType = Literal["float32", "bfloat16", "float16"]
-GemmLayout = Literal["native", "mkl", "onednn", "both"]
+GemmLayout = Literal["auto", "native", "mkl", "onednn", "both"]
 _GEMM_LAYOUTS = get_args(GemmLayout)
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -34,19 +34,15 @@ class EngineConfig:
     max_model_len: int | None = None
     # torch compute threads; None leaves torch's default (all cores). Workers sharing a host set 1.
     num_threads: int | None = None
-    # CPU GEMMs of the linear layers. "native" (fp32 on the CPU with a C compiler, else "both"):
-    # the native panel GEMM (engine/csrc/panel_gemm.c) for layers with 32K+ weights, decode
-    # batches and prompts alike (MKL past 8192 rows and for smaller layers), at twice those
-    # layers' memory; decode batches of 1-32 rows ran 1.3-2.1x faster than either library on the
-    # 50M model's layers, and prompts prefilled 2-19% faster than with MKL (engine/model.py).
-    # "both": oneDNN (vLLM's CPU layout) from 2 to 128 rows, MKL
-    # for one row and for more than 128, at twice the linear weights' memory. "onednn": oneDNN
-    # only, one copy. "mkl": W transposed for MKL, one copy. On an AMD EPYC host (AVX2) MKL's
-    # small-row GEMMs are slow: oneDNN runs the 50M model's linears 1.1-1.7x faster at 2-128 rows,
-    # MKL is 3-11% faster from 200 rows on and they tie at one. On an Intel AVX-512 host the
-    # layouts were within 5% when quiet. Only for float32/bfloat16 on the CPU with oneDNN;
-    # elsewhere "mkl" runs. Set "mkl" where memory is tighter than time.
-    cpu_gemm: GemmLayout = "native"
+    # CPU GEMMs of the linear layers (engine/gemm_plan.py, engine/linear.py). "auto" measures at
+    # load which kernel is fastest for each weight shape and row count on this host: MKL, oneDNN
+    # (vLLM's CPU layout) or the native panel GEMM (engine/csrc/panel_gemm.c), keeping a second
+    # copy of the weights for whichever of the last two wins somewhere. Fixed choices: "native"
+    # (panels up to 8192 rows, MKL above, for layers of 32K+ weights: the fastest on an AMD EPYC
+    # host), "both" (oneDNN from 2 to 128 rows, MKL otherwise), "onednn" (one copy) and "mkl" (one
+    # copy: where memory is tighter than time). The native kernel needs fp32 and a C compiler;
+    # oneDNN fp32, or bf16 with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere MKL runs.
+    cpu_gemm: GemmLayout = "auto"
     seed: int = 0
     # Device emulation, off by default: every engine step also sleeps this many seconds per token
     # it computes, standing in for a slower accelerator. On a small CPU machine compute stops

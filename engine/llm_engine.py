@@ -25,9 +25,10 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import TextStream
+from engine.gemm_plan import choose_gemm_layout, pack_linears
 from engine.hashing import hash_blocks
 from engine.kv_cache import KVCache
-from engine.loader import choose_gemm_layout, load_model, pack_linears
+from engine.loader import load_model
 from engine.model_meta import KVLayout
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, KVExport, KVReservation, RequestOutput
@@ -50,7 +51,9 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.device = torch.device(config.device)
         self.gemm_layout = choose_gemm_layout(config.cpu_gemm, config.dtype, self.device)
-        pack_linears(self.model, self.gemm_layout)
+        # Routes per weight shape, e.g. {"512x1024": "1-8 mkl, 9+ onednn"} (measured with "auto").
+        self.gemm_routes = pack_linears(self.model, self.gemm_layout, config.max_num_batched_tokens,
+                                        min(config.max_num_seqs, config.max_num_batched_tokens))
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         per_block = KVCache.bytes_per_block(self.spec, config.block_size, config.dtype)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import ONEDNN_MAX_ROWS, DecoderModel, Linear, gemm_rows, rope_tables
+from engine.model import DecoderModel, rope_tables
 from engine.model_meta import (
     ModelLoadError,
     ModelSpec,
@@ -141,46 +141,3 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu") -> Loade
     for p in net.parameters():
         p.requires_grad_(False)
     return LoadedModel(net, spec, tokenizer, eos_ids(path, cfg, tokenizer), path)
-
-
-def choose_gemm_layout(requested: str, dtype: str, device: torch.device) -> str:
-    """The layout `requested` resolves to here: the native panel GEMM needs fp32 on the CPU and a
-    C compiler that built it (else "both" is tried); oneDNN packing needs oneDNN, the CPU and
-    fp32, or bf16 on a CPU with oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
-    AVX2 hosts have neither, and packing there raises)."""
-    if requested == "native":
-        from engine.kernels import panel_gemm
-
-        if device.type == "cpu" and dtype == "float32" and panel_gemm() is not None:
-            return "native"
-        requested = "both"
-    if device.type != "cpu" or dtype not in ("float32", "bfloat16") or not torch.backends.mkldnn.is_available():
-        return "mkl"
-    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "mkl"
-    return requested
-
-
-def pack_linears(net: DecoderModel, layout: str) -> None:
-    """Give every linear layer its oneDNN copy ("onednn" drops the MKL one), or with "native"
-    its panel copy where the native GEMM gains (the rest keep MKL alone)."""
-    if layout == "mkl":
-        return
-    if layout == "native":
-        for m in net.modules():
-            if isinstance(m, Linear):
-                m.pack_panels()
-        return
-    sizes = sorted({gemm_rows(r) for r in range(2, ONEDNN_MAX_ROWS + 1)})  # decode-sized row counts
-    with torch.inference_mode():
-        warmed: set[tuple] = set()
-        for m in net.modules():
-            if isinstance(m, Linear):
-                m.pack(keep_mkl=layout == "both")
-                # Compile oneDNN's kernels for the decode-sized row counts now, once per weight
-                # shape: the first step at each new batch size would otherwise stall for it.
-                key = (tuple(m.packed.shape), m.bias is None, m.packed.dtype)  # packed: [out, in]
-                if key not in warmed:
-                    warmed.add(key)
-                    for rows in sizes:
-                        m(torch.zeros(rows, m.packed.shape[1], dtype=m.packed.dtype, device=m.packed.device))

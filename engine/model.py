@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.kernels import panel_gemm
 from engine.kernels import rms_norm as native_rms_norm
+from engine.linear import Linear
 from engine.model_meta import ModelSpec
 
 
@@ -37,102 +37,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-# With both copies, oneDNN runs from 2 to this many rows and MKL the rest: on an AMD EPYC host
-# oneDNN was 1.1-1.7x faster at 2-128 rows and MKL 3-11% faster from 200 on (4 linears of the 50M
-# model, 2 threads); at one row they tie, and one row was MKL's best case on Intel.
-ONEDNN_MAX_ROWS = 128
-# The native panel GEMM (engine/csrc/panel_gemm.c) serves up to this many rows (an engine step's
-# tokens: MKL only past it), for weights of at least NATIVE_MIN_WEIGHT elements. On the 50M
-# benchmark model's layers (AMD EPYC, AVX2, 2 threads, weights read from memory as in a step) it
-# ran 1 row 1.6-2.1x faster than MKL or oneDNN, 8 rows 1.5x and 32 rows 1.3x faster than oneDNN;
-# with its rows blocked, whole prompts of 256 / 512 / 1024 / 2048 tokens prefilled 12-19% / 8-11%
-# / 4-8% / 2-12% faster than with MKL above 128 rows (three same-process runs). Below ~32K
-# elements (the 64-wide layers of stories260K) a call is mostly overhead, and MKL's is the
-# smallest: ~6 us, against ~11 us through ctypes and ~65 us for oneDNN.
-NATIVE_MAX_ROWS = 8192
-NATIVE_MIN_WEIGHT = 32768
-
-
-class Linear(nn.Module):
-    """y = x W^T + b, from up to two copies of W (EngineConfig.cpu_gemm, see `pack` and
-    `pack_panels`):
-    - `weight_t`, W transposed ([in, out]) for MKL: on CPU as fast as nn.Linear's layout for long
-      prompts and up to ~1.7x faster at decode batches;
-    - `packed`, W reordered for oneDNN, the layout vLLM's CPU backend runs;
-    - `panels`, W in column panels for the native small-batch GEMM (decode)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__()
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None
-        self.onednn_rows = range(0)  # row counts oneDNN serves (all of them without the MKL copy)
-        self.panels: torch.Tensor | None = None
-        self.native_rows = range(0)  # row counts the native panel GEMM serves
-
-    def pack(self, keep_mkl: bool) -> None:
-        """Add the oneDNN copy; without `keep_mkl`, it replaces the MKL one (half the memory)."""
-        w = self.weight_t.detach().t().contiguous()
-        # The row-count hint only tunes the blocking; the packed weight serves any number of rows.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-        self.onednn_rows = range(2, ONEDNN_MAX_ROWS + 1) if keep_mkl else range(1, 1 << 62)
-        if not keep_mkl:
-            self.weight_t = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
-
-    def pack_panels(self) -> bool:
-        """Add the native kernel's copy beside the MKL one, where the kernel is built and the
-        weight is large enough to gain from it; whether it did."""
-        w = self.weight_t.detach()
-        if w.dtype != torch.float32 or w.device.type != "cpu" or w.numel() < NATIVE_MIN_WEIGHT:
-            return False
-        fn = panel_gemm()
-        if fn is None:
-            return False
-        k, n, nb = w.shape[0], w.shape[1], fn.panel_width
-        padded = w.new_zeros(k, -(-n // nb) * nb)
-        padded[:, :n] = w
-        # Panel j: columns j*nb..(j+1)*nb of W^T, row after row, in one contiguous run.
-        self.panels = padded.view(k, -1, nb).transpose(0, 1).contiguous()
-        self.native_rows = range(1, NATIVE_MAX_ROWS + 1)
-        return True
-
-    def _native(self, x: torch.Tensor) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        m, k = x.shape
-        n = self.weight_t.shape[1]
-        y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        panel_gemm()(x.data_ptr(), x.stride(0), m, k, self.panels.data_ptr(), n, bias, y.data_ptr(), n)
-        return y
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        if m in self.native_rows:
-            return self._native(x)
-        if m in self.onednn_rows:
-            padded = gemm_rows(m)
-            if padded != m:  # see gemm_rows: a few shapes, each compiled once
-                x = torch.cat([x, x.new_zeros(padded - m, x.shape[1])])
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:m]
-        if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
-
-
-def gemm_rows(m: int) -> int:
-    """The row count a oneDNN GEMM of m rows runs at. oneDNN compiles a kernel per shape and keeps
-    1024 in its cache; a serving engine sees every row count from 1 to its token budget, and
-    compiling one costs ~1.7 ms per layer (50 ms per step of the 50M model), which made a served
-    worker slower than MKL under load. Rounding up to 8 sizes per doubling (powers of two up to 8,
-    then steps of an eighth of the power of two below, at least 8: under 1/8 padding from 64 rows
-    on) keeps every shape of a token budget up to 8192 in the cache: 67 sizes x 5 weight shapes."""
-    if m <= 8:
-        return 1 << (m - 1).bit_length()
-    step = max(8, 1 << ((m - 1).bit_length() - 4))
-    return -(-m // step) * step
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -172,7 +172,7 @@ def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repe
             "device": cfg.device, "block_size": cfg.block_size, "threads": torch.get_num_threads(),
             # The GEMM layout the steps ran with: on the AMD host MKL's decode batches were half
             # as fast, so a profile measured with one layout misleads a planner serving the other.
-            "cpu_gemm": eng.gemm_layout,
+            "cpu_gemm": eng.gemm_layout, "gemm_routes": eng.gemm_routes,
             "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -293,20 +293,24 @@ def wide_model(tmp_path_factory) -> str:
                              intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
-@pytest.mark.parametrize("layout", ["native", "mkl", "onednn", "both"])
+@pytest.mark.parametrize("layout", ["auto", "native", "mkl", "onednn", "both"])
 @pytest.mark.parametrize("arch", ["stories", "qwen2", "qwen2-wide"])
 def test_gemm_layouts_match_hf(stories_path, random_models, wide_model, arch, layout):
     """Each CPU GEMM layout, at one row (decode alone) and many (prompts, batches); qwen2 has
     biases on q/k/v, which oneDNN's packed call and the native kernel apply themselves."""
     from engine.kernels import panel_gemm
-    from engine.model import NATIVE_MIN_WEIGHT
+    from engine.linear import NATIVE_MIN_WEIGHT
 
     path = {"stories": stories_path, "qwen2-wide": wide_model}.get(arch) or random_models[arch]
     eng = LLMEngine(EngineConfig(model=path, cpu_gemm=layout))
     want = "both" if layout == "native" and panel_gemm() is None else layout
     assert eng.gemm_layout == want
     linears = [m for m in eng.model.modules() if type(m).__name__ == "Linear"]
-    if want == "native":  # panels beside the MKL copy, on the layers large enough to gain
+    if want == "auto":  # measured: every layer keeps MKL's copy and only the copies it routes to
+        for m in linears:
+            assert m.weight_t.numel() and set(m.kernels()) == {"mkl", *m.route_kernels}
+        assert len(set(eng.gemm_routes)) == len({(m.in_features, m.out_features) for m in linears})
+    elif want == "native":  # panels beside the MKL copy, on the layers large enough to gain
         assert all(m.packed is None and m.weight_t.numel() for m in linears)
         assert all((m.panels is not None) == (m.weight_t.numel() >= NATIVE_MIN_WEIGHT) for m in linears)
         if arch != "qwen2":  # stories260K's layers are all too small; the wide model's all qualify
@@ -328,7 +332,7 @@ def test_gemm_layouts_match_hf(stories_path, random_models, wide_model, arch, la
 def test_onednn_row_counts_are_bucketed():
     """oneDNN compiles a kernel per GEMM shape and caches 1024: a served engine, which sees every
     row count up to its token budget, must reuse a few padded sizes or it recompiles each step."""
-    from engine.model import ONEDNN_MAX_ROWS, Linear, gemm_rows
+    from engine.linear import ONEDNN_MAX_ROWS, Linear, gemm_rows
 
     sizes = {gemm_rows(m) for m in range(1, 8193)}
     assert len(sizes) <= 80 and all(gemm_rows(m) >= m for m in range(1, 8193))
@@ -350,15 +354,17 @@ def test_onednn_row_counts_are_bucketed():
                 y = lin(x)
                 assert y.shape == (m, 96) and y.is_contiguous()
                 torch.testing.assert_close(y, expected[m], rtol=1e-5, atol=1e-4)
-    assert [m in both.onednn_rows for m in ref] == [False, True, True, True, False, False]
-    assert all(m in one.onednn_rows for m in ref)
+    assert [both.kernel_for(m) == "onednn" for m in ref] == [False, True, True, True, False, False]
+    assert all(one.kernel_for(m) == "onednn" for m in ref)
 
 
 def test_gemm_layout_resolution(stories_path):
     from engine.kernels import panel_gemm
 
-    # The default: the native panel GEMM where its kernel is built, else MKL beside oneDNN.
-    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == ("native" if panel_gemm() else "both")
+    # The default: measured on this host.
+    assert LLMEngine(EngineConfig(model=stories_path)).gemm_layout == "auto"
+    assert LLMEngine(EngineConfig(model=stories_path, device="cpu", cpu_gemm="native")).gemm_layout == (
+        "native" if panel_gemm() else "both")
     assert LLMEngine(EngineConfig(model=stories_path, dtype="bfloat16", cpu_gemm="native")).gemm_layout != "native"
     assert LLMEngine(EngineConfig(model=stories_path, cpu_gemm="mkl")).gemm_layout == "mkl"
     assert LLMEngine(EngineConfig(model=stories_path, dtype="float16", cpu_gemm="onednn")).gemm_layout == "mkl"

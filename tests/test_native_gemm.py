@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.kernels import panel_gemm
-from engine.model import NATIVE_MAX_ROWS, NATIVE_MIN_WEIGHT, Linear
+from engine.linear import NATIVE_MAX_ROWS, NATIVE_MIN_WEIGHT, Linear
 
 pytestmark = pytest.mark.skipif(panel_gemm() is None, reason="no C compiler: the kernel is not built here")
 
@@ -26,7 +26,8 @@ def _linear(k: int, n: int, bias: bool, seed: int) -> Linear:
 @pytest.mark.parametrize(("k", "n", "bias"), [(512, 1024, False), (256, 1000, True), (600, 61, True), (97, 512, False)])
 def test_panel_gemm_matches_mkl(k, n, bias):
     lin = _linear(k, n, bias, seed=k + n)
-    assert lin.pack_panels() and lin.native_rows == range(1, NATIVE_MAX_ROWS + 1)
+    assert lin.pack_panels() and lin.kernel_for(1) == lin.kernel_for(NATIVE_MAX_ROWS) == "native"
+    assert lin.kernel_for(NATIVE_MAX_ROWS + 1) == "mkl"
     with torch.inference_mode():
         # 95-97, 193: either side of the kernel's 96-row blocks; 300: several blocks and a short one
         for m in (1, 2, 3, 5, 6, 7, 12, 17, 95, 96, 97, 193, 300, NATIVE_MAX_ROWS):
@@ -44,4 +45,4 @@ def test_rows_beyond_the_limit_and_small_layers_use_mkl():
     with torch.inference_mode():
         torch.testing.assert_close(lin(x), torch.addmm(lin.bias, x, lin.weight_t))
     small = _linear(64, NATIVE_MIN_WEIGHT // 64 - 1, False, seed=2)  # one element short
-    assert not small.pack_panels() and small.panels is None and 1 not in small.native_rows
+    assert not small.pack_panels() and small.panels is None and small.kernel_for(1) == "mkl"

@@ -154,10 +154,8 @@ def test_pdserve_profile_on_a_real_engine(tmp_path, stories_path):
     for k, v in MALLOC_TUNABLES.items():
         assert f"{k}={v}" in model.meta["glibc_tunables"].split(":")
     assert model.kv_capacity_tokens > 0 and model.knots[-1] >= 256
-    from engine.kernels import panel_gemm
-
-    # float32 on the CPU: the default layout, recorded
-    assert model.meta["cpu_gemm"] == ("native" if panel_gemm() else "both")
+    # float32 on the CPU: the default layout, recorded with the routes it measured
+    assert model.meta["cpu_gemm"] == "auto" and model.meta["gemm_routes"]
     assert {len(s["decodes"]) for s in model.samples} >= {0, 1, 2, 4, 8}
     assert model.fit_error() < 0.5  # a shared noisy machine: loose, but a broken fit is off by far more
     # The hit sweep: real prefix-cache hits (the profiler checks the engine's own count of cached

@@ -1,0 +1,190 @@
+"""Which GEMM kernel serves which linear layer at which row count (EngineConfig.cpu_gemm).
+
+"auto", the default, measures at load: for each weight shape of the model, each kernel the layer
+can hold (engine/linear.py) runs a few row counts from one row (decode) up to the token budget,
+and every row count goes to the fastest at the nearest one measured. No fixed choice is right on
+every host: on an AMD EPYC (AVX2) the native panel GEMM led at every row count, while on an Intel
+Xeon (AVX-512) it was 1.1-1.8x slower than MKL everywhere, and a 50M-model prompt prefilled at
+0.7x transformers' speed with it (1.0x with MKL and oneDNN). The fixed layouts stay for
+comparison and for memory: "native", "both", "onednn", "mkl"."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from engine.linear import ONEDNN_MAX_ROWS, UNBOUNDED, Linear, gemm_rows
+
+log = logging.getLogger(__name__)
+
+# Row counts measured, 4x apart: each serves the row counts up to twice itself (the geometric
+# middle to the next one); the largest measured serves everything above it.
+POINTS = (1, 4, 16, 64, 256, 1024)
+# Layers measured, in model order: as many as hold this many bytes of weights (and one of each
+# shape), so that a big model's layers do not all hold three copies at once.
+PROBE_BYTES = 512 << 20
+MARGIN = 1.03  # a kernel later in KERNEL_ORDER must be this much faster to take a row count
+KERNEL_ORDER = ("mkl", "onednn", "native")  # MKL's copy is always there and its call is cheapest
+MAX_PASS_S = 0.05  # stop measuring once the next row count's passes would take longer than this
+REPEATS = 2
+
+
+def choose_gemm_layout(requested: str, dtype: str, device: torch.device) -> str:
+    """The layout `requested` resolves to here: the native panel GEMM needs fp32 on the CPU and a
+    C compiler that built it (else "both" is tried); oneDNN packing needs oneDNN, the CPU and
+    fp32, or bf16 on a CPU with oneDNN's bf16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT;
+    AVX2 hosts have neither, and packing there raises). "auto" measures whatever of them is left."""
+    if device.type != "cpu":
+        return "mkl"
+    if requested == "native":
+        from engine.kernels import panel_gemm
+
+        if dtype == "float32" and panel_gemm() is not None:
+            return "native"
+        requested = "both"
+    if requested == "auto" or onednn_packs(dtype):
+        return requested
+    return "mkl"
+
+
+def onednn_packs(dtype: torch.dtype | str) -> bool:
+    dtype = str(dtype).removeprefix("torch.")
+    return dtype in ("float32", "bfloat16") and torch.backends.mkldnn.is_available() and (
+        dtype == "float32" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack_linears(net: nn.Module, layout: str, max_rows: int, logits_rows: int) -> dict[str, str]:
+    """Give the linear layers their copies and routes for `layout`; with "auto", measured here for
+    up to `max_rows` rows (the token budget; `logits_rows` for the LM head). Returns the routes
+    per weight shape, as `describe` writes them."""
+    groups: dict[tuple, list[Linear]] = defaultdict(list)
+    for m in net.modules():
+        if isinstance(m, Linear):
+            groups[shape_of(m)].append(m)
+    with torch.inference_mode():
+        if layout == "auto":
+            lm_head = getattr(net, "lm_head", None)
+            tune([m for layers in groups.values() for m in layers if m is not lm_head], lm_head, max_rows, logits_rows)
+        for layers in groups.values():
+            for m in layers:
+                if layout == "native":
+                    m.pack_panels()
+                elif layout in ("both", "onednn"):
+                    m.pack(keep_mkl=layout == "both")
+            _warm_onednn(layers[0])
+    routes = {f"{k}x{n}": describe(layers[0]) for (k, n, _, _), layers in groups.items()}
+    log.info("GEMM routes (%s): %s", layout, routes)
+    return routes
+
+
+def shape_of(m: Linear) -> tuple:
+    return (m.in_features, m.out_features, m.bias is not None, m.weight_t.dtype)
+
+
+def tune(body: list[Linear], lm_head: Linear | None, max_rows: int, logits_rows: int) -> None:
+    """Route every weight shape by measuring passes over the model's linear layers, as a step
+    runs them: each layer's own weights have left the caches by its next call, as they have in a
+    step, and that decides small row counts (a layer timed alone ran from cache, and its winner
+    lost whole decode steps by 15-20%). The probe is every layer up to PROBE_BYTES of weights
+    (at least one per shape), given all copies; the others get only the copies they are routed to."""
+    order = [m for m in (*body, lm_head) if m is not None]
+    probe, seen, total = [], set(), 0
+    for m in order:
+        nbytes = m.weight_t.numel() * m.weight_t.element_size()
+        if shape_of(m) not in seen or total + nbytes <= PROBE_BYTES:
+            probe.append(m)
+            seen.add(shape_of(m))
+            total += nbytes
+            _add_copies(m, KERNEL_ORDER)
+    limits = {shape_of(m): logits_rows if m is lm_head else max_rows for m in probe}
+    times: dict[tuple, dict[int, dict[str, float]]] = defaultdict(dict)  # shape -> rows -> kernel -> s
+    for rows in POINTS:
+        layers = [m for m in probe if rows <= max(limits[shape_of(m)], 1)]
+        if not layers:
+            break
+        for shape, best in measure(layers, rows).items():
+            times[shape][rows] = best
+        if sum(min(best.values()) for shape in times for best in [times[shape].get(rows)] if best) * 4 > MAX_PASS_S:
+            break  # the next row count's passes would take too long: the largest measured serves them
+    for m in order:
+        points = sorted(times[shape_of(m)])
+        chosen = [pick(times[shape_of(m)][p]) for p in points]
+        bounds, kernels = routes_from(points, chosen) if chosen else ([UNBOUNDED], ["mkl"])
+        if m not in probe:
+            _add_copies(m, kernels)
+        m.route(bounds, kernels)
+        m.drop_unrouted()
+
+
+def _add_copies(m: Linear, kernels) -> None:
+    if "onednn" in kernels and m.weight_t.device.type == "cpu" and onednn_packs(m.weight_t.dtype):
+        m.pack(keep_mkl=True)
+    if "native" in kernels:
+        m.pack_panels()
+
+
+def measure(layers: list[Linear], rows: int) -> dict[tuple, dict[str, float]]:
+    """Per weight shape and kernel, the best time of its layers' calls in a pass over `layers` at
+    `rows` rows, every layer on that kernel; the kernels take turns, so that each sees the same
+    noise of a shared machine."""
+    xs = {(m.in_features, m.weight_t.dtype): torch.randn(rows, m.in_features, dtype=m.weight_t.dtype) for m in layers}
+    kernels = {shape_of(m): m.kernels() for m in layers}
+    best = {shape: dict.fromkeys(ks, float("inf")) for shape, ks in kernels.items()}
+    for rep in range(REPEATS + 1):
+        for kern in KERNEL_ORDER:
+            spent: dict[tuple, float] = defaultdict(float)
+            for m in layers:
+                shape = shape_of(m)
+                if kern in kernels[shape]:
+                    t0 = time.perf_counter()
+                    m.run(kern, xs[(m.in_features, m.weight_t.dtype)])
+                    spent[shape] += time.perf_counter() - t0
+            if rep:  # the first pass compiles oneDNN's kernel for the shape and warms up
+                for shape, s in spent.items():
+                    best[shape][kern] = min(best[shape][kern], s)
+    return best
+
+
+def pick(times: dict[str, float]) -> str:
+    """The fastest kernel, unless one earlier in KERNEL_ORDER is within MARGIN of it."""
+    fastest = min(times.values())
+    return next(k for k in KERNEL_ORDER if k in times and times[k] <= fastest * MARGIN)
+
+
+def routes_from(points: list[int], chosen: list[str]) -> tuple[list[int], list[str]]:
+    """Bounds and kernels from the winner at each measured row count, runs of one kernel merged."""
+    bounds: list[int] = []
+    kernels: list[str] = []
+    for i, kern in enumerate(chosen):
+        bound = 2 * points[i] if i + 1 < len(chosen) else UNBOUNDED
+        if kernels and kernels[-1] == kern:
+            bounds[-1] = bound
+        else:
+            bounds.append(bound)
+            kernels.append(kern)
+    return bounds, kernels
+
+
+def describe(m: Linear) -> str:
+    """Routes as text, e.g. "1-2 mkl, 3-8 onednn, 9+ mkl"."""
+    parts, low = [], 1
+    for bound, kern in zip(m.route_bounds, m.route_kernels, strict=True):
+        parts.append(f"{low}+ {kern}" if bound >= UNBOUNDED else f"{low}-{bound} {kern}")
+        low = bound + 1
+    return ", ".join(parts)
+
+
+def _warm_onednn(m: Linear) -> None:
+    """Compile oneDNN's kernels for the decode-sized row counts it serves now, once per weight
+    shape: the first step at each new batch size would otherwise stall ~1.7 ms per layer."""
+    if m.packed is None:
+        return
+    x = torch.zeros(ONEDNN_MAX_ROWS, m.in_features, dtype=m.packed.dtype, device=m.packed.device)
+    for rows in sorted({gemm_rows(r) for r in range(1, ONEDNN_MAX_ROWS + 1)}):
+        if m.kernel_for(rows) == "onednn":
+            m(x[:rows])
+
