@@ -59,11 +59,21 @@ class KVCache:
         if memoryview(buf).nbytes != n * self.layout.block_nbytes:
             raise ValueError(f"frame of {memoryview(buf).nbytes} bytes does not hold {n} blocks of "
                              f"{self.layout.block_nbytes}")
+        # One copy per run of consecutive destination blocks: a per-block copy costs ~8 us of
+        # dispatch each, which was most of the landing time of a 256 MiB transfer.
+        if self.data.device.type == "cpu":
+            # A plain memcpy on the calling thread (a receiver's): a torch copy this large opens an
+            # OpenMP region, and a thread that does gets an OpenMP team of its own, which slows the
+            # engine's steps (pdcommon/engine_loop.py says how).
+            src_bytes, pool = memoryview(buf).cast("B"), self.data.view(-1).view(torch.uint8).numpy()
+            bnb, j = self.layout.block_nbytes, 0
+            for start, count in block_runs(block_ids, n):
+                pool[start * bnb:(start + count) * bnb] = src_bytes[j * bnb:(j + count) * bnb]
+                j += count
+            return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only receive buffers: only read from here
             src = torch.frombuffer(buf, dtype=torch.uint8).view(self.data.dtype).view(n, *self.layout.block_shape)
-        # One copy per run of consecutive destination blocks: a per-block copy costs ~8 us of
-        # dispatch each, which was most of the landing time of a 256 MiB transfer.
         j = 0
         for start, count in block_runs(block_ids, n):
             self.data[start:start + count].copy_(src[j:j + count])

@@ -2,6 +2,12 @@
 output queues. Every engine call runs on that thread, except LLMEngine.land_kv, which the
 decode worker's receiver thread calls (see the threading rule in engine/llm_engine.py).
 
+The thread also builds the engine. libgomp gives every thread that opens an OpenMP region a team
+of its own, and once a process has more OpenMP threads than cores it stops spinning between
+regions (it "throttles"). An engine loaded on one thread and stepped on another left two teams
+behind: the 50M benchmark model's decode step took 12.1 ms against 7.1 ms on two cores, and a
+served stream's inter-token time was 1.6x the engine's own step.
+
 A stream opened with a `DirectStream` sends its middle outputs from the engine thread straight
 to the router (pdcommon/token_stream.py); only its first and last outputs, and any the socket
 cannot take, reach the event loop."""
@@ -47,21 +53,34 @@ class EngineDead(ServiceUnavailable):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine = engine
+    def __init__(self, build: Callable[[], LLMEngine], loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the engine thread, which first calls `build`; await `ready` for the engine (or
+        the error that building it raised)."""
+        self.engine: LLMEngine | None = None
         self.loop = loop
+        self.ready: asyncio.Future[LLMEngine] = loop.create_future()
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._direct: dict[str, DirectStream] = {}  # read by the engine thread
         self._pusher = TokenPusher()
         self._stop = threading.Event()
-        self.stats = engine.stats()
+        self.stats = None  # the engine's stats after the last step (EngineStats once built)
         self.steps = 0
         self.error: BaseException | None = None  # what stopped the engine thread
         self.on_death: Callable[[], None] | None = None  # called on the event loop when it stops
         self._calls: set[asyncio.Future] = set()  # call() results not in yet (event-loop thread only)
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._main, args=(build,), name="engine-loop", daemon=True)
         self._thread.start()
+
+    def _main(self, build: Callable[[], LLMEngine]) -> None:
+        try:
+            eng = build()
+        except BaseException as e:  # the worker's start awaits `ready` and reports it
+            self.loop.call_soon_threadsafe(_set_exception, self.ready, e)
+            return
+        self.engine, self.stats = eng, eng.stats()
+        self.loop.call_soon_threadsafe(_set_result, self.ready, eng)
+        self._run()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         """Run fn(*args) on the engine thread; await the returned future for its result."""

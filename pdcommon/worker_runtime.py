@@ -67,10 +67,11 @@ class WorkerRuntime:
     async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> None:
         loop = asyncio.get_running_loop()
         ecfg = self.cfg.engine_config(self.role)
-        # Loading takes seconds: keep the event loop free meanwhile.
-        self.engine = await loop.run_in_executor(None, LLMEngine, ecfg)
-        self.loop_ = EngineLoop(self.engine, loop)
+        # Built on the engine thread, which then steps it (see pdcommon/engine_loop.py); the event
+        # loop stays free while it loads.
+        self.loop_ = EngineLoop(lambda: LLMEngine(ecfg), loop)
         self.loop_.on_death = self._engine_died
+        self.engine = await self.loop_.ready
         self.server = make_server(self.cfg.router.max_request_bytes, self.identity.interceptors())
         add_servicer(self.server)
         port = self.identity.bind(self.server, f"{self.pool.host}:{self.pool.port}")
