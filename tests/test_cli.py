@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,11 @@ import psutil
 import pytest
 import yaml
 
+from pdserve.launch.ports import free_port
 from tests.conftest import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 PDSERVE = [sys.executable, "-m", "pdserve.cli"]
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_line(proc: subprocess.Popen, needle: str, timeout: float = 180) -> str:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import uuid
 from pathlib import Path
 
 from pdcommon.client import ControlClient
 from pdcommon.config import ClusterConfig
 from pdcommon.security import ClusterIdentity, provision_token, remove_secret, token_path
+from pdserve.launch.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,7 @@ def pin_ports(cfg: ClusterConfig) -> None:
     r = cfg.router
     for attr in ("port", "http_port", "control_port"):
         if getattr(r, attr) == 0:
-            with socket.socket() as s:
-                s.bind((r.host, 0))
-                setattr(r, attr, s.getsockname()[1])
+            setattr(r, attr, free_port(r.host))
 
 
 class RayCluster:

@@ -1,0 +1,34 @@
+"""Ports pinned before a router binds them come from outside the kernel's ephemeral range, which
+every port-0 bind and outgoing connection on the host draws from (a CI run lost the race once:
+the router died with EADDRINUSE)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from pdcommon.config import ClusterConfig
+from pdserve.launch.cluster import pin_ports
+from pdserve.launch.ports import ephemeral_low, free_port
+
+
+@pytest.mark.skipif(ephemeral_low() is None, reason="the kernel's ephemeral port range is not readable here")
+def test_pinned_ports_are_free_and_below_the_ephemeral_range():
+    low = ephemeral_low()
+    cfg = ClusterConfig.model_validate({"model": "m", "router": {"port": 0, "http_port": 0, "control_port": 0}})
+    pin_ports(cfg)
+    ports = [cfg.router.port, cfg.router.http_port, cfg.router.control_port, free_port("127.0.0.1")]
+    assert all(0 < p < low for p in ports), (ports, low)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # still free: nothing held it
+
+
+def test_a_taken_port_is_not_handed_out(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        monkeypatch.setattr("random.sample", lambda population, k: [taken] * k)
+        port = free_port("127.0.0.1")  # every candidate is taken: the kernel's choice, not `taken`
+        assert port != taken
