@@ -45,10 +45,15 @@ def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size, window):
     width = int(-(-lens.max() // block_size))
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
     q = torch.randn(len(lens), heads, dim, generator=g)
-    group = DecodeGroup(rows=torch.arange(len(lens)), block_tables=tables, context_lens=lens, max_len=int(lens.max()))
-    got = _native_decode(q, k_cache, v_cache, group, window)
-    want = _reference(q, k_cache, v_cache, tables, lens, window)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # All six, then one and two sequences: with fewer sequences than threads the kernel splits each
+    # sequence's KV heads over the threads (where torch has more than one).
+    for rows in (list(range(len(lens))), [3], [3, 4]):
+        sub = torch.tensor(rows)
+        group = DecodeGroup(rows=torch.arange(len(rows)), block_tables=tables[sub], context_lens=lens[sub],
+                            max_len=int(lens[sub].max()))
+        got = _native_decode(q[sub], k_cache, v_cache, group, window)
+        want = _reference(q[sub], k_cache, v_cache, tables[sub], lens[sub], window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_availability_follows_dtype_and_limits():
