@@ -65,14 +65,13 @@ def pack_linears(net: nn.Module, layout: str, max_rows: int, logits_rows: int) -
     """Give the linear layers their copies and routes for `layout`; with "auto", measured here for
     up to `max_rows` rows (the token budget; `logits_rows` for the LM head). Returns the routes
     per weight shape, as `describe` writes them."""
+    linears = [m for m in net.modules() if isinstance(m, Linear)]  # model order: layer by layer, LM head last
     groups: dict[tuple, list[Linear]] = defaultdict(list)
-    for m in net.modules():
-        if isinstance(m, Linear):
-            groups[shape_of(m)].append(m)
+    for m in linears:
+        groups[shape_of(m)].append(m)
     with torch.inference_mode():
         if layout == "auto":
-            lm_head = getattr(net, "lm_head", None)
-            tune([m for layers in groups.values() for m in layers if m is not lm_head], lm_head, max_rows, logits_rows)
+            tune(linears, getattr(net, "lm_head", None), max_rows, logits_rows)
         for layers in groups.values():
             for m in layers:
                 if layout == "native":
@@ -89,13 +88,14 @@ def shape_of(m: Linear) -> tuple:
     return (m.in_features, m.out_features, m.bias is not None, m.weight_t.dtype)
 
 
-def tune(body: list[Linear], lm_head: Linear | None, max_rows: int, logits_rows: int) -> None:
+def tune(order: list[Linear], lm_head: Linear | None, max_rows: int, logits_rows: int) -> None:
     """Route every weight shape by measuring passes over the model's linear layers, as a step
     runs them: each layer's own weights have left the caches by its next call, as they have in a
     step, and that decides small row counts (a layer timed alone ran from cache, and its winner
     lost whole decode steps by 15-20%). The probe is every layer up to PROBE_BYTES of weights
-    (at least one per shape), given all copies; the others get only the copies they are routed to."""
-    order = [m for m in (*body, lm_head) if m is not None]
+    (at least one per shape), given all copies; the others get only the copies they are routed to.
+    `order`: the linear layers in the order a step calls them; `lm_head` (one of them, or None) is
+    measured only up to `logits_rows`."""
     probe, seen, total = [], set(), 0
     for m in order:
         nbytes = m.weight_t.numel() * m.weight_t.element_size()
@@ -110,9 +110,10 @@ def tune(body: list[Linear], lm_head: Linear | None, max_rows: int, logits_rows:
         layers = [m for m in probe if rows <= max(limits[shape_of(m)], 1)]
         if not layers:
             break
-        for shape, best in measure(layers, rows).items():
+        measured = measure(layers, rows)
+        for shape, best in measured.items():
             times[shape][rows] = best
-        if sum(min(best.values()) for shape in times for best in [times[shape].get(rows)] if best) * 4 > MAX_PASS_S:
+        if sum(min(best.values()) for best in measured.values()) * 4 > MAX_PASS_S:
             break  # the next row count's passes would take too long: the largest measured serves them
     for m in order:
         points = sorted(times[shape_of(m)])

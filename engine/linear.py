@@ -132,7 +132,7 @@ class Linear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run(self.route_kernels[bisect_left(self.route_bounds, x.shape[0])], x)
+        return self.run(self.kernel_for(x.shape[0]), x)
 
 
 def gemm_rows(m: int) -> int:

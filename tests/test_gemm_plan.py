@@ -46,7 +46,7 @@ def test_tune_routes_away_from_a_slow_kernel(slow):
     x = torch.randn(5, 256)
     want = {id(m): x @ m.weight_t for m in (*layers, head)}
     with torch.inference_mode():
-        tune(layers, head, max_rows=64, logits_rows=4)
+        tune([*layers, head], head, max_rows=64, logits_rows=4)
     for m in (*layers, head):
         assert slow not in m.route_kernels, (m.route_bounds, m.route_kernels)
         assert set(m.kernels()) == {"mkl", *m.route_kernels}  # unrouted copies freed

@@ -31,8 +31,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
      * in strided quarters. */
     const int threads = omp_get_max_threads();
     int split = batch < threads ? (threads + batch - 1) / batch : 1;
-    while (split > 1 && kv_heads % split) --split; /* whole KV heads per task */
-    if (split > kv_heads) split = kv_heads;
+    while (split > 1 && kv_heads % split) --split; /* whole KV heads per task (so split <= kv_heads) */
     const int per_task = kv_heads / split;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < (int64_t)batch * split; ++task) {

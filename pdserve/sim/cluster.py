@@ -341,6 +341,10 @@ class Cluster:
         """Prefill: (queued tokens, load, id); decode and colocated: (load, -free KV, id)."""
         return (w.queued, w.load, w.wid) if w.role == "prefill" else (w.load, -w.kv_free, w.wid)
 
+    def _current(self, entry: tuple[int, int, int, SimWorker]) -> bool:
+        """Whether a heap entry still holds its worker's key (else it is stale: skip it)."""
+        return entry[3].state == "up" and entry[:3] == self._route_key(entry[3])
+
     def _rekey(self, w: SimWorker) -> None:
         if w.state == "up":
             heapq.heappush(self.by_key[w.role], (*self._route_key(w), w))
@@ -352,7 +356,7 @@ class Cluster:
         if len(heap) > 8 * len(pool) + 64:
             heap[:] = [(*self._route_key(w), w) for w in pool]
             heapq.heapify(heap)
-        while heap and not (heap[0][3].state == "up" and heap[0][:3] == self._route_key(heap[0][3])):
+        while heap and not self._current(heap[0]):
             heapq.heappop(heap)
         return heap
 
@@ -363,9 +367,9 @@ class Cluster:
         skipped, found = [], None
         while heap:
             entry = heapq.heappop(heap)
+            if not self._current(entry):
+                continue
             w = entry[3]
-            if w.state != "up" or entry[:3] != self._route_key(w):
-                continue  # stale
             skipped.append(entry)
             if w.kv_free >= need:
                 found = w
