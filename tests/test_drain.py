@@ -21,6 +21,11 @@ def test_sigterm_drains_in_flight_streams_then_leaves(stories_path, tmp_path):
                                 "process.ready_file": str(tmp_path / "state" / "{worker_id}.ready")})
     try:
         ready = tmp_path / "state" / "decode-0.ready"  # its folder made as needed
+        # A worker writes its file after its first heartbeat's reply, one round trip after the
+        # router counts it registered (what the cluster's start waits for): a CI run looked sooner.
+        end = time.monotonic() + 10
+        while not (ready.exists() and (tmp_path / "state" / "prefill-0.ready").exists()) and time.monotonic() < end:
+            time.sleep(0.05)
         assert ready.exists() and (tmp_path / "state" / "prefill-0.ready").exists(), "registered, active: ready"
         results: list[tuple[int, str] | BaseException] = []
         first = threading.Barrier(STREAMS + 1, timeout=60)
