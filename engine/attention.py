@@ -48,6 +48,8 @@ class AttentionMetadata:
     # Decode attention by the native kernel (engine/kernels.py): the runner sets it where
     # native_decode_available() says so for the cache's dtype and shape.
     native_decode: bool = False
+    # Whole-prompt causal attention by the native kernel (native_prefill_available).
+    native_prefill: bool = False
 
     def prepare(self, num_tokens: int) -> AttentionMetadata:
         """Everything every layer would otherwise recompute: slot split, masks, row layout."""
@@ -106,6 +108,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # 4-D [1, heads, tokens, dim]: the layout the fused (flash) SDPA kernels take; 3-D falls
         # back to the unfused math path, several times slower on long prompts.
         qs = q[s:s + n].transpose(0, 1)[None]
+        if meta.native_prefill and meta.sliding_window is None:
+            if ctx == n:
+                out[s:s + n] = _native_prefill(q[s:s + n], k[s:s + n], v[s:s + n], 0)
+            else:  # a chunk after cached context (chunked prefill, a prefix hit)
+                ks = gather_blocks(k_cache, span.block_table).reshape(-1, kvh, d)[:ctx]
+                vs = gather_blocks(v_cache, span.block_table).reshape(-1, kvh, d)[:ctx]
+                out[s:s + n] = _native_prefill(q[s:s + n], ks, vs, ctx - n)
+            continue
         if ctx == n and meta.sliding_window is None:
             # Whole sequence computed in this step: no cache read, plain causal attention.
             ks, vs = k[s:s + n].transpose(0, 1)[None], v[s:s + n].transpose(0, 1)[None]
@@ -164,6 +174,33 @@ def native_decode_available(dtype: torch.dtype, device: torch.device, num_heads:
         return False
     max_h, max_d, max_bs = fn.limits
     return num_heads <= max_h and head_dim <= max_d and block_size <= max_bs
+
+
+def native_prefill_available(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether whole-prompt attention can run in the native kernel: fp32 on the CPU, a head size
+    its vectors divide, and a C compiler that built it."""
+    if dtype != torch.float32 or device.type != "cpu":
+        return False
+    from engine.kernels import prefill_attention
+
+    fn = prefill_attention()
+    return fn is not None and head_dim % fn.vector_width == 0 and head_dim <= fn.max_dim
+
+
+def _native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Causal attention of n new tokens after `prefix` cached ones (engine/csrc/prefill_attention.c);
+    q: [n, H, D], k, v: [prefix + n, KVH, D]. 1.2-2x faster than torch's flash SDPA at 512-2048
+    tokens of a 64-wide head, whose small inner GEMMs run far below the library's large-GEMM
+    rate; after a prefix it is one call, not two flash calls and a merge."""
+    from engine.kernels import prefill_attention
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    n, h, d = q.shape
+    if prefill_attention()(q.data_ptr(), k.data_ptr(), v.data_ptr(), n, prefix, h, k.shape[1], d, d ** -0.5,
+                           out.data_ptr()) != 0:
+        raise MemoryError(f"prompt attention: no memory for the transposed keys of {n} tokens")
+    return out
 
 
 def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,

@@ -1,6 +1,6 @@
 """Native kernels: C sources in engine/csrc, compiled on first use with the system's C compiler
 and cached by content, compiler and CPU. They are an optimization, never a requirement: where
-no compiler is found or a build fails, `paged_decode`, `panel_gemm` and `rms_norm` are None and
+no compiler is found or a build fails, `paged_decode`, `prefill_attention`, `panel_gemm` and `rms_norm` are None and
 the engine uses torch ops (attention, RMSNorm) and MKL or oneDNN (linear layers).
 
 The shared object links OpenMP by soname (libgomp.so.1). torch has loaded its own copy under
@@ -102,6 +102,22 @@ def paged_decode():
     limits = [ctypes.c_int() for _ in range(3)]
     lib.paged_decode_limits(*(ctypes.byref(x) for x in limits))
     fn.limits = tuple(x.value for x in limits)  # max query heads, head dim, block size
+    return fn
+
+
+@functools.cache
+def prefill_attention():
+    """The C function causal_prefill_attention (csrc/prefill_attention.c) with its argument
+    types, or None. Its `vector_width` must divide the head size, up to `max_dim`."""
+    fn, lib = _function("prefill_attention.c", "causal_prefill_attention",
+                        [_PTR, _PTR, _PTR, _I64, _I64, _I32, _I32, _I32, _F32, _PTR],
+                        "prompt attention uses torch's SDPA")
+    if fn is None:
+        return None
+    fn.restype = ctypes.c_int
+    limits = [ctypes.c_int() for _ in range(2)]
+    lib.prefill_attention_limits(*(ctypes.byref(x) for x in limits))
+    fn.vector_width, fn.max_dim = (x.value for x in limits)
     return fn
 
 

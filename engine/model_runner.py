@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, native_decode_available
+from engine.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    native_decode_available,
+    native_prefill_available,
+)
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
 from engine.sampler import sample
@@ -42,6 +48,7 @@ class ModelRunner:
         # The native kernel reads blocks in place: it needs each token's heads laid out densely.
         self.native_decode = k0.stride(3) == 1 and native_decode_available(
             k0.dtype, k0.device, spec.num_heads, spec.num_kv_heads, spec.head_dim, kv_cache.block_size)
+        self.native_prefill = native_prefill_available(k0.dtype, k0.device, spec.head_dim)
 
     def _metadata(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         bs = self.block_size
@@ -81,8 +88,8 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), prefills=prefills,
                                  decode_groups=self._decode_groups(dec_rows, dec_tables, dec_lens), block_size=bs,
-                                 sliding_window=self.sliding_window, native_decode=self.native_decode
-                                 ).prepare(len(ids))
+                                 sliding_window=self.sliding_window, native_decode=self.native_decode,
+                                 native_prefill=self.native_prefill).prepare(len(ids))
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, torch.tensor(positions, dtype=torch.long, device=dev), meta, sample_rows
 

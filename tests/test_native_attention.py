@@ -1,5 +1,5 @@
-"""The native paged decode-attention kernel (engine/csrc) against torch's SDPA, and the engine
-without it (no C compiler): same tokens either way."""
+"""The native attention kernels (engine/csrc: paged decode, prompt prefill) against torch's SDPA,
+and the engine without them (no C compiler): same tokens either way."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import DecodeGroup, _native_decode, native_decode_available
-from engine.kernels import paged_decode
+from engine.attention import (
+    DecodeGroup,
+    _native_decode,
+    _native_prefill,
+    native_decode_available,
+    native_prefill_available,
+)
+from engine.kernels import paged_decode, prefill_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,6 +62,24 @@ def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size, window):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(prefill_attention() is None, reason="no C compiler: the kernel is not built here")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(8, 4, 64), (4, 4, 16), (6, 2, 128)])
+@pytest.mark.parametrize(("n", "prefix"), [(1, 0), (47, 0), (48, 0), (130, 0), (700, 0), (1, 9), (64, 64),
+                                           (37, 300), (200, 1000)])
+def test_prefill_kernel_matches_sdpa(heads, kv_heads, dim, n, prefix):
+    """Sizes around the kernel's 48-query and 64-key tiles, with and without cached context."""
+    if dim % prefill_attention().vector_width:
+        pytest.skip(f"head size {dim} is not a multiple of this build's vector width")
+    g = torch.Generator().manual_seed(n * 7 + prefix + dim)
+    q = torch.randn(n, heads, dim, generator=g)
+    k, v = torch.randn(prefix + n, kv_heads, dim, generator=g), torch.randn(prefix + n, kv_heads, dim, generator=g)
+    # Query i sits at position prefix + i and sees keys 0 .. prefix + i.
+    mask = torch.arange(prefix + n)[None, :] <= torch.arange(prefix, prefix + n)[:, None]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                          enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(_native_prefill(q, k, v, prefix), want, rtol=1e-5, atol=1e-5)
+
+
 def test_availability_follows_dtype_and_limits():
     if paged_decode() is None:
         assert not native_decode_available(torch.float32, torch.device("cpu"), 8, 4, 64, 16)
@@ -63,6 +87,10 @@ def test_availability_follows_dtype_and_limits():
     assert native_decode_available(torch.float32, torch.device("cpu"), 8, 4, 64, 16)
     assert not native_decode_available(torch.bfloat16, torch.device("cpu"), 8, 4, 64, 16)
     assert not native_decode_available(torch.float32, torch.device("cpu"), 8, 4, 4096, 16)
+    if prefill_attention() is not None:
+        assert native_prefill_available(torch.float32, torch.device("cpu"), 64)
+        assert not native_prefill_available(torch.float32, torch.device("cpu"), prefill_attention().vector_width + 1)
+        assert not native_prefill_available(torch.bfloat16, torch.device("cpu"), 64)
 
 
 _GENERATE = """

@@ -1,0 +1,205 @@
+/* Causal attention of a prompt or a chunk of one: n new query tokens over the prefix cached
+ * before them and themselves. Flash-style: one task per query head and block of QB query tokens,
+ * keys in tiles of KB with an online softmax.
+ *
+ * Why not torch's CPU flash kernel: its QK^T and PV are GEMMs with an inner dimension of the
+ * head size (64), where the library runs at a fraction of its large-GEMM rate; on the 50M
+ * benchmark model a 2048-token prompt spent 54% of its prefill there (40 ms a layer, ~107
+ * GFLOP/s on 2 AVX-512 cores). Here both products are register-blocked for that shape: scores
+ * take R query rows x NV vectors of keys from a transposed copy of K (one per call), and the
+ * output takes R rows x NV vectors of the head dimension, broadcasting each probability.
+ *
+ * Vector width follows the build (-march=native): 16 floats with AVX-512, else 8. The head
+ * size must be a multiple of it (prefill_attention_limits); the engine uses torch elsewhere.
+ * Built and loaded by engine/kernels.py; it shares torch's OpenMP team (see paged_attention.c). */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VW 16
+#define NV 4
+#else
+#define VW 8
+#define NV 2
+#endif
+/* Query rows per register block: 6 rows x NV vectors of accumulators (24 of AVX-512's 32
+ * registers, 12 of AVX2's 16). With 4 rows each step loaded as much as it multiplied, and one
+ * core reached 59 GFLOP/s against 113 with 6 (the 50M model's head size, 64). */
+#define R 6
+#define QB 48 /* query tokens per task (a multiple of R) */
+#define KB 64 /* keys per tile (a multiple of NV x VW) */
+#define MAX_D 256
+
+typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* Vector ops are written on GCC's vector extension, where a scalar operand is broadcast: a
+ * splat built lane by lane compiled to 16 masked broadcasts per use. */
+static inline vf vmax(vf a, vf b) {
+    vi m = a < b;
+    return (vf)(((vi)a & ~m) | ((vi)b & m));
+}
+
+/* 2^x lane by lane for x <= 0: x = j + f with j = round(x) and |f| <= 1/2, 2^f by its degree-6
+ * Taylor polynomial (relative error ~1e-7), 2^j built in the exponent bits. Clamped at -126
+ * (masked scores are -inf: they give ~1e-38, nothing next to the row maximum's 1). */
+static inline vf vexp2(vf x) {
+    const vf magic = (vf){} + 12582912.f; /* 1.5 x 2^23: adding it rounds to an integer */
+    x = vmax(x, (vf){} - 126.f);
+    vf r = x + magic;
+    vf f = x - (r - magic);
+    vf p = (vf){} + 1.5403530e-4f;
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.f;
+    vi bits = (((vi)r - (vi)magic) + 127) << 23;
+    return p * (vf)bits;
+}
+
+/* s[QB][KB] = qb[QB][dim] . kt[dim][kt0 : kt0 + KB] (kt rows of stride ld). */
+static void scores(const float *qb, const float *kt, int64_t ld, int dim, float *s) {
+    for (int r0 = 0; r0 < QB; r0 += R) {
+        for (int j0 = 0; j0 < KB; j0 += NV * VW) {
+            vf acc[R][NV];
+            for (int r = 0; r < R; ++r)
+                for (int v = 0; v < NV; ++v) acc[r][v] = (vf){};
+            for (int d = 0; d < dim; ++d) {
+                vf kv[NV];
+                for (int v = 0; v < NV; ++v) kv[v] = *(const vf *)(kt + d * ld + j0 + v * VW);
+                for (int r = 0; r < R; ++r) {
+                    const float qv = qb[(r0 + r) * dim + d];
+                    for (int v = 0; v < NV; ++v) acc[r][v] += qv * kv[v];
+                }
+            }
+            for (int r = 0; r < R; ++r)
+                for (int v = 0; v < NV; ++v) *(vf *)(s + (r0 + r) * KB + j0 + v * VW) = acc[r][v];
+        }
+    }
+}
+
+/* o[rows r0.. r0 + R][d0 .. d0 + W x VW] += p . vt for one register block; W is a constant at
+ * each call, so the accumulators stay in registers (a run-time count spilled them to the stack,
+ * and the copies took a fifth of the time). */
+#define ACCUMULATE_BLOCK(W)                                                                       \
+    do {                                                                                          \
+        vf acc[R][W];                                                                             \
+        for (int r = 0; r < R; ++r)                                                               \
+            for (int v = 0; v < W; ++v) acc[r][v] = *(vf *)(o + (r0 + r) * dim + d0 + v * VW);    \
+        for (int j = 0; j < keys; ++j) {                                                          \
+            vf vv[W];                                                                             \
+            for (int v = 0; v < W; ++v) vv[v] = *(const vf *)(vt + j * ld + d0 + v * VW);         \
+            for (int r = 0; r < R; ++r) {                                                         \
+                const float pv = p[(r0 + r) * KB + j];                                            \
+                for (int v = 0; v < W; ++v) acc[r][v] += pv * vv[v];                              \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; ++r)                                                               \
+            for (int v = 0; v < W; ++v) *(vf *)(o + (r0 + r) * dim + d0 + v * VW) = acc[r][v];    \
+    } while (0)
+
+/* o[QB][dim] += p[QB][keys] . vt[keys][dim] (vt rows of stride ld). */
+static void accumulate(const float *p, const float *vt, int64_t ld, int dim, int keys, float *o) {
+    for (int r0 = 0; r0 < QB; r0 += R) {
+        int d0 = 0;
+        for (; d0 + NV * VW <= dim; d0 += NV * VW) ACCUMULATE_BLOCK(NV);
+        for (; d0 < dim; d0 += VW) ACCUMULATE_BLOCK(1);
+    }
+}
+
+/* One query head h over query tokens [q0, q0 + rows) of n, which sit at key positions
+ * prefix + q0 ... (nk = prefix + n keys in all). */
+static void task(const float *q, const float *kt, const float *v, int64_t n, int64_t prefix, int64_t nk_pad,
+                 int heads, int kv_heads, int dim, float scale, int h, int64_t q0, float *out) {
+    const int64_t nk = prefix + n;
+    const int kh = h / (heads / kv_heads);
+    const int rows = (int)(n - q0 < QB ? n - q0 : QB);
+    float qb[QB * MAX_D], o[QB * MAX_D], s[QB * KB], m[QB], l[QB];
+    const float qscale = scale * 1.4426950408889634f; /* log2(e): softmax in base 2 */
+    for (int i = 0; i < QB; ++i) {
+        for (int d = 0; d < dim; ++d) qb[i * dim + d] = i < rows ? q[((q0 + i) * heads + h) * dim + d] * qscale : 0.f;
+        m[i] = -INFINITY;
+        l[i] = 0.f;
+    }
+    memset(o, 0, sizeof(float) * QB * dim);
+    const float *ktk = kt + (int64_t)kh * dim * nk_pad; /* its tiles, each [dim][KB] */
+    const float *vk = v + (int64_t)kh * dim;
+    const int64_t vld = (int64_t)kv_heads * dim;
+    for (int64_t k0 = 0; k0 < prefix + q0 + rows; k0 += KB) {
+        scores(qb, ktk + k0 * dim, KB, dim, s);
+        const int keys = (int)(nk - k0 < KB ? nk - k0 : KB);
+        for (int i = 0; i < rows; ++i) {
+            float *si = s + i * KB;
+            const int64_t last = prefix + q0 + i - k0; /* keys past this row's own token are masked */
+            if (last < KB - 1 || keys < KB)
+                for (int j = 0; j < KB; ++j)
+                    if (j > last || j >= keys) si[j] = -INFINITY;
+            vf mv = (vf){} + m[i];
+            for (int j = 0; j < KB; j += VW) mv = vmax(mv, *(vf *)(si + j));
+            float mx = mv[0];
+            for (int w = 1; w < VW; ++w) mx = mv[w] > mx ? mv[w] : mx;
+            vf sum = (vf){};
+            for (int j = 0; j < KB; j += VW) {
+                vf e = vexp2(*(vf *)(si + j) - mx);
+                *(vf *)(si + j) = e;
+                sum += e;
+            }
+            float total = 0.f;
+            for (int w = 0; w < VW; ++w) total += sum[w];
+            const float alpha = m[i] == -INFINITY ? 0.f : exp2f(m[i] - mx);
+            l[i] = l[i] * alpha + total;
+            m[i] = mx;
+            if (alpha != 1.f)
+                for (int d = 0; d < dim; ++d) o[i * dim + d] *= alpha;
+        }
+        for (int i = rows; i < QB; ++i) memset(s + i * KB, 0, sizeof(float) * KB);
+        accumulate(s, vk + k0 * vld, vld, dim, keys, o);
+    }
+    for (int i = 0; i < rows; ++i) {
+        const float inv = 1.f / l[i];
+        float *dst = out + ((q0 + i) * heads + h) * dim;
+        for (int d = 0; d < dim; ++d) dst[d] = o[i * dim + d] * inv;
+    }
+}
+
+/* q: [n, heads, dim]; k, v: [prefix + n, kv_heads, dim] (the cached prefix, then the new
+ * tokens); out: [n, heads, dim]; all contiguous. Returns 0, or -1 when the scratch copy of K
+ * could not be allocated. */
+int causal_prefill_attention(const float *q, const float *k, const float *v, int64_t n, int64_t prefix, int heads,
+                             int kv_heads, int dim, float scale, float *out) {
+    const int64_t nk = prefix + n, n_pad = (nk + KB - 1) / KB * KB;
+    float *kt = aligned_alloc(64, sizeof(float) * (size_t)kv_heads * dim * n_pad + 64);
+    if (kt == NULL) return -1;
+    /* K transposed per KV head in tiles of KB keys ([dim][KB] each, contiguous; zero past the last key) so
+     * that scores read keys as vectors. One transposed [dim][n] per head put its rows 4n bytes
+     * apart: with n a power of two they shared a few L1 sets, and the tile's rows evicted each
+     * other. */
+#pragma omp parallel for schedule(static)
+    for (int64_t blk = 0; blk < (int64_t)kv_heads * (n_pad / KB); ++blk) {
+        const int kh = (int)(blk / (n_pad / KB));
+        const int64_t t0 = (blk % (n_pad / KB)) * KB;
+        float *dst = kt + (int64_t)kh * dim * n_pad + t0 * dim;
+        for (int64_t t = t0; t < t0 + KB; ++t)
+            for (int d = 0; d < dim; ++d) dst[d * KB + (t - t0)] = t < nk ? k[(t * kv_heads + kh) * dim + d] : 0.f;
+    }
+    const int64_t blocks = (n + QB - 1) / QB; /* of queries */
+    /* Latest query blocks first: they attend to the most keys, and dynamic scheduling then
+     * fills the end of the loop with the short ones. */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t t = 0; t < blocks * heads; ++t) {
+        const int64_t qblk = blocks - 1 - t / heads;
+        task(q, kt, v, n, prefix, n_pad, heads, kv_heads, dim, scale, (int)(t % heads), qblk * QB, out);
+    }
+    free(kt);
+    return 0;
+}
+
+void prefill_attention_limits(int *vector_width, int *max_dim) {
+    *vector_width = VW;
+    *max_dim = MAX_D;
+}
