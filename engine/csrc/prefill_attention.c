@@ -43,6 +43,15 @@ static inline vf vmax(vf a, vf b) {
     return (vf)(((vi)a & ~m) | ((vi)b & m));
 }
 
+/* The largest lane, by halving (a chain of VW - 1 dependent compares was the row's critical path). */
+static inline float hmax(vf v) {
+    float a[VW];
+    memcpy(a, &v, sizeof a);
+    for (int w = VW / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; ++i) a[i] = a[i] > a[i + w] ? a[i] : a[i + w];
+    return a[0];
+}
+
 /* 2^x lane by lane for x <= 0: x = j + f with j = round(x) and |f| <= 1/2, 2^f by its degree-6
  * Taylor polynomial (relative error ~1e-7), 2^j built in the exponent bits. Clamped at -126
  * (masked scores are -inf: they give ~1e-38, nothing next to the row maximum's 1). */
@@ -119,12 +128,13 @@ static void task(const float *q, const float *kt, const float *v, int64_t n, int
     const int64_t nk = prefix + n;
     const int kh = h / (heads / kv_heads);
     const int rows = (int)(n - q0 < QB ? n - q0 : QB);
-    float qb[QB * MAX_D], o[QB * MAX_D], s[QB * KB], m[QB], l[QB];
+    float qb[QB * MAX_D], o[QB * MAX_D], s[QB * KB], m[QB];
+    vf lv[QB]; /* each row's running sum, lane by lane: reduced once, at the end */
     const float qscale = scale * 1.4426950408889634f; /* log2(e): softmax in base 2 */
     for (int i = 0; i < QB; ++i) {
         for (int d = 0; d < dim; ++d) qb[i * dim + d] = i < rows ? q[((q0 + i) * heads + h) * dim + d] * qscale : 0.f;
         m[i] = -INFINITY;
-        l[i] = 0.f;
+        lv[i] = (vf){};
     }
     memset(o, 0, sizeof(float) * QB * dim);
     const float *ktk = kt + (int64_t)kh * dim * nk_pad; /* its tiles, each [dim][KB] */
@@ -139,29 +149,30 @@ static void task(const float *q, const float *kt, const float *v, int64_t n, int
             if (last < KB - 1 || keys < KB)
                 for (int j = 0; j < KB; ++j)
                     if (j > last || j >= keys) si[j] = -INFINITY;
-            vf mv = (vf){} + m[i];
-            for (int j = 0; j < KB; j += VW) mv = vmax(mv, *(vf *)(si + j));
-            float mx = mv[0];
-            for (int w = 1; w < VW; ++w) mx = mv[w] > mx ? mv[w] : mx;
+            vf mv = *(vf *)si;
+            for (int j = VW; j < KB; j += VW) mv = vmax(mv, *(vf *)(si + j));
+            const float mx = hmax(mv);
+            if (mx > m[i]) { /* a new row maximum: rescale what was summed against the old one */
+                const float alpha = m[i] == -INFINITY ? 0.f : exp2f(m[i] - mx);
+                m[i] = mx;
+                lv[i] *= alpha;
+                for (int d = 0; d < dim; ++d) o[i * dim + d] *= alpha;
+            }
             vf sum = (vf){};
             for (int j = 0; j < KB; j += VW) {
-                vf e = vexp2(*(vf *)(si + j) - mx);
+                vf e = vexp2(*(vf *)(si + j) - m[i]);
                 *(vf *)(si + j) = e;
                 sum += e;
             }
-            float total = 0.f;
-            for (int w = 0; w < VW; ++w) total += sum[w];
-            const float alpha = m[i] == -INFINITY ? 0.f : exp2f(m[i] - mx);
-            l[i] = l[i] * alpha + total;
-            m[i] = mx;
-            if (alpha != 1.f)
-                for (int d = 0; d < dim; ++d) o[i * dim + d] *= alpha;
+            lv[i] += sum;
         }
         for (int i = rows; i < QB; ++i) memset(s + i * KB, 0, sizeof(float) * KB);
         accumulate(s, vk + k0 * vld, vld, dim, keys, o);
     }
     for (int i = 0; i < rows; ++i) {
-        const float inv = 1.f / l[i];
+        float l = 0.f;
+        for (int w = 0; w < VW; ++w) l += lv[i][w];
+        const float inv = 1.f / l;
         float *dst = out + ((q0 + i) * heads + h) * dim;
         for (int d = 0; d < dim; ++d) dst[d] = o[i * dim + d] * inv;
     }
