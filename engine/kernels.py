@@ -1,7 +1,8 @@
 """Native kernels: C sources in engine/csrc, compiled on first use with the system's C compiler
 and cached by content, compiler and CPU. They are an optimization, never a requirement: where
-no compiler is found or a build fails, `paged_decode`, `prefill_attention`, `panel_gemm` and `rms_norm` are None and
-the engine uses torch ops (attention, RMSNorm) and MKL or oneDNN (linear layers).
+no compiler is found or a build fails, `paged_decode`, `prefill_attention`, `panel_gemm`,
+`elementwise` and `rms_norm` are None and the engine uses torch ops (attention, RMSNorm,
+activations, rotary embeddings) and MKL or oneDNN (linear layers).
 
 The shared object links OpenMP by soname (libgomp.so.1). torch has loaded its own copy under
 that name by the time this runs, so the kernel joins torch's thread team instead of starting a
@@ -133,6 +134,17 @@ def panel_gemm():
     lib.panel_gemm_limits(ctypes.byref(width))
     fn.panel_width = width.value
     return fn
+
+
+@functools.cache
+def elementwise():
+    """The C functions of csrc/elementwise.c as (silu_mul, rotary), or None."""
+    lib = _load("elementwise.c", "SiLU-and-multiply and rotary embeddings use torch ops")
+    if lib is None:
+        return None
+    lib.silu_mul.argtypes, lib.silu_mul.restype = [_PTR, _I64, _I64, _I64, _PTR, _I64], None
+    lib.rotary.argtypes, lib.rotary.restype = [_PTR, _I64, _I64, _I32, _I32, _PTR, _PTR, _I64], None
+    return lib.silu_mul, lib.rotary
 
 
 @functools.cache

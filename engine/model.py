@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.kernels import elementwise as native_elementwise
 from engine.kernels import rms_norm as native_rms_norm
 from engine.linear import Linear
 from engine.model_meta import ModelSpec
@@ -73,6 +74,12 @@ class DecoderLayer(nn.Module):
             k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+        elif (native := _native(qkv)) is not None and cos.is_contiguous() and cos.shape[-1] == self.head_dim:
+            # In place on the projection's q and k heads, one pass (engine/csrc/elementwise.c).
+            native[1](qkv.data_ptr(), qkv.stride(0), t, self.num_heads + self.num_kv_heads, self.head_dim,
+                      cos.data_ptr(), sin.data_ptr(), cos.stride(0))
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
         else:  # rotary on q and k heads together: half the ops of doing each alone
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
             qk = qk * cos + rotate_half(qk) * sin
@@ -80,8 +87,21 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)
         x = residual + self.o_proj(attn.reshape(t, self.q_size))
         residual = x
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return residual + self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
+        width = gate_up.shape[1] // 2
+        if self.act is F.silu and (native := _native(gate_up)) is not None:
+            act = torch.empty(t, width, dtype=gate_up.dtype)
+            native[0](gate_up.data_ptr(), gate_up.stride(0), t, width, act.data_ptr(), width)
+        else:
+            act = self.act(gate_up[:, :width]) * gate_up[:, width:]
+        return residual + self.down_proj(act)
+
+
+def _native(x: torch.Tensor):
+    """The native elementwise kernels, where they can take x (fp32 rows of unit stride on the CPU)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return native_elementwise()
 
 
 # The activations of the supported families, as transformers defines them; importing

@@ -1,0 +1,43 @@
+"""The native elementwise kernels (engine/csrc/elementwise.c) against the torch ops they replace in
+a decoder layer: SiLU-and-multiply over the gate_up projection's halves, and the rotary embedding
+of q and k heads in place (rotate_half's convention), for one row (decode) or many, with widths
+that leave a tail past the last full vector."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import elementwise
+from engine.model import rope_tables, rotate_half
+
+pytestmark = pytest.mark.skipif(elementwise() is None, reason="no C compiler: the kernels are not built here")
+
+
+@pytest.mark.parametrize(("rows", "width"), [(1, 1408), (5, 37), (600, 512)])
+def test_silu_mul_matches_torch(rows, width):
+    silu_mul, _ = elementwise()
+    torch.manual_seed(rows + width)
+    gate_up = torch.randn(rows, 2 * width) * 6  # well into both tails of the sigmoid
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    out = torch.empty(rows, width)
+    silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, width, out.data_ptr(), width)
+    want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("rows", "heads", "dim"), [(1, 12, 64), (7, 3, 16), (300, 6, 128), (4, 2, 20)])
+def test_rotary_matches_torch(rows, heads, dim):
+    _, rotary = elementwise()
+    torch.manual_seed(rows * heads + dim)
+    cos_t, sin_t = rope_tables(4096, 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
+    positions = torch.randint(0, 4096, (rows,))
+    cos, sin = cos_t[positions], sin_t[positions]
+    qkv = torch.randn(rows, (heads + 1) * dim)  # heads to rotate, then a v head that must stay as it was
+    want = qkv[:, :heads * dim].view(rows, heads, dim)
+    want = want * cos[:, None] + rotate_half(want) * sin[:, None]
+    v = qkv[:, heads * dim:].clone()
+    rotary(qkv.data_ptr(), qkv.stride(0), rows, heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0))
+    torch.testing.assert_close(qkv[:, :heads * dim].view(rows, heads, dim), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(qkv[:, heads * dim:], v)
