@@ -1,8 +1,8 @@
 """Native kernels: C sources in engine/csrc, compiled on first use with the system's C compiler
-and cached by content, compiler and CPU. They are an optimization, never a requirement: where
-no compiler is found or a build fails, `paged_decode`, `prefill_attention`, `panel_gemm`,
-`elementwise` and `rms_norm` are None and the engine uses torch ops (attention, RMSNorm,
-activations, rotary embeddings) and MKL or oneDNN (linear layers).
+and cached by content (the headers beside them included), compiler and CPU. They are an
+optimization, never a requirement: where no compiler is found or a build fails, `paged_decode`,
+`prefill_attention`, `panel_gemm`, `elementwise` and `rms_norm` are None and the engine uses
+torch ops (attention, RMSNorm, activations, rotary embeddings) and MKL or oneDNN (linear layers).
 
 The shared object links OpenMP by soname (libgomp.so.1). torch has loaded its own copy under
 that name by the time this runs, so the kernel joins torch's thread team instead of starting a
@@ -43,8 +43,9 @@ def _cpu_flags() -> str:
 
 def _build(cc: str, src: Path) -> Path:
     version = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout.strip()
-    key = hashlib.sha256("\0".join([src.read_text(), cc, version, *FLAGS, platform.machine(), _cpu_flags()])
-                         .encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(src.parent.glob("*.h"))]  # sources include them (simd.h)
+    key = hashlib.sha256("\0".join([src.read_text(), *headers, cc, version, *FLAGS, platform.machine(),
+                                     _cpu_flags()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():
         return out

@@ -8,41 +8,8 @@
  * Rows split over torch's OpenMP team (see paged_attention.c). exp is a polynomial (relative
  * error ~1e-7); rounding otherwise follows torch's order of operations up to FMA contraction. */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
-
-static inline vf vclamp(vf x, float lo, float hi) {
-    vi below = x < lo, above = x > hi;
-    vf l = (vf){} + lo, h = (vf){} + hi;
-    x = (vf)(((vi)x & ~below) | ((vi)l & below));
-    return (vf)(((vi)x & ~above) | ((vi)h & above));
-}
-
-/* e^x lane by lane, |x| <= 87: 2^(x log2 e) as j + f, |f| <= 1/2, by a degree-6 polynomial. */
-static inline vf vexp(vf x) {
-    const vf magic = (vf){} + 12582912.f; /* 1.5 x 2^23: adding it rounds to an integer */
-    x = vclamp(x * 1.4426950408889634f, -126.f, 126.f);
-    vf r = x + magic;
-    vf f = x - (r - magic);
-    vf p = (vf){} + 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.f;
-    vi bits = (((vi)r - (vi)magic) + 127) << 23;
-    return p * (vf)bits;
-}
+#include "simd.h"
 
 /* out[t][i] = silu(x[t][i]) * x[t][width + i] for rows of stride ldx (gate, then up). */
 void silu_mul(const float *x, int64_t ldx, int64_t rows, int64_t width, float *out, int64_t ldo) {

@@ -9,8 +9,8 @@
  * take R query rows x NV vectors of keys from a transposed copy of K (one per call), and the
  * output takes R rows x NV vectors of the head dimension, broadcasting each probability.
  *
- * Vector width follows the build (-march=native): 16 floats with AVX-512, else 8. The head
- * size must be a multiple of it (prefill_attention_limits); the engine uses torch elsewhere.
+ * Vector width follows the build (simd.h): 16 floats with AVX-512, else 8. The head size must
+ * be a multiple of it (prefill_attention_limits); the engine uses torch elsewhere.
  * Built and loaded by engine/kernels.py; it shares torch's OpenMP team (see paged_attention.c). */
 #include <math.h>
 #include <omp.h>
@@ -18,11 +18,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define VW 16
+#include "simd.h"
+
+#if VW == 16
 #define NV 4
 #else
-#define VW 8
 #define NV 2
 #endif
 /* Query rows per register block: 6 rows x NV vectors of accumulators (24 of AVX-512's 32
@@ -32,44 +32,6 @@
 #define QB 48 /* query tokens per task (a multiple of R) */
 #define KB 64 /* keys per tile (a multiple of NV x VW) */
 #define MAX_D 256
-
-typedef float vf __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4), aligned(4)));
-
-/* Vector ops are written on GCC's vector extension, where a scalar operand is broadcast: a
- * splat built lane by lane compiled to 16 masked broadcasts per use. */
-static inline vf vmax(vf a, vf b) {
-    vi m = a < b;
-    return (vf)(((vi)a & ~m) | ((vi)b & m));
-}
-
-/* The largest lane, by halving (a chain of VW - 1 dependent compares was the row's critical path). */
-static inline float hmax(vf v) {
-    float a[VW];
-    memcpy(a, &v, sizeof a);
-    for (int w = VW / 2; w >= 1; w /= 2)
-        for (int i = 0; i < w; ++i) a[i] = a[i] > a[i + w] ? a[i] : a[i + w];
-    return a[0];
-}
-
-/* 2^x lane by lane for x <= 0: x = j + f with j = round(x) and |f| <= 1/2, 2^f by its degree-6
- * Taylor polynomial (relative error ~1e-7), 2^j built in the exponent bits. Clamped at -126
- * (masked scores are -inf: they give ~1e-38, nothing next to the row maximum's 1). */
-static inline vf vexp2(vf x) {
-    const vf magic = (vf){} + 12582912.f; /* 1.5 x 2^23: adding it rounds to an integer */
-    x = vmax(x, (vf){} - 126.f);
-    vf r = x + magic;
-    vf f = x - (r - magic);
-    vf p = (vf){} + 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.f;
-    vi bits = (((vi)r - (vi)magic) + 127) << 23;
-    return p * (vf)bits;
-}
 
 /* s[QB][KB] = qb[QB][dim] . kt[dim][kt0 : kt0 + KB] (kt rows of stride ld). */
 static void scores(const float *qb, const float *kt, int64_t ld, int dim, float *s) {
