@@ -166,15 +166,35 @@ class Server:
     def __exit__(self, *exc) -> None:
         import os
         import signal
-        import subprocess
+        import time
 
+        # The whole process group, not only its leader: a server's children (vLLM's engine core,
+        # pdserve's workers) can outlive the shell for seconds, and the next target's
+        # measurements would share the cores with them.
         for sig, wait in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
             try:
                 os.killpg(self.proc.pid, sig)
-                self.proc.wait(wait)
-                return
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
+            except ProcessLookupError:
+                break
+            end = time.monotonic() + wait
+            while time.monotonic() < end and _group_alive(self.proc.pid):
+                self.proc.poll()  # reap the leader
+                time.sleep(0.2)
+            if not _group_alive(self.proc.pid):
+                break
+        self.proc.poll()
+
+
+def _group_alive(pgid: int) -> bool:
+    import os
+
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # members we may not signal are still members
+        return True
 
 
 def main() -> int:
