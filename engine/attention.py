@@ -105,9 +105,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.empty_like(q)
     for span in meta.prefills:
         s, n, ctx = span.start, span.num_tokens, span.context_len
-        # 4-D [1, heads, tokens, dim]: the layout the fused (flash) SDPA kernels take; 3-D falls
-        # back to the unfused math path, several times slower on long prompts.
-        qs = q[s:s + n].transpose(0, 1)[None]
         if meta.native_prefill and meta.sliding_window is None:
             if ctx == n:
                 out[s:s + n] = _native_prefill(q[s:s + n], k[s:s + n], v[s:s + n], 0)
@@ -116,6 +113,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 vs = gather_blocks(v_cache, span.block_table).reshape(-1, kvh, d)[:ctx]
                 out[s:s + n] = _native_prefill(q[s:s + n], ks, vs, ctx - n)
             continue
+        # 4-D [1, heads, tokens, dim]: the layout the fused (flash) SDPA kernels take; 3-D falls
+        # back to the unfused math path, several times slower on long prompts.
+        qs = q[s:s + n].transpose(0, 1)[None]
         if ctx == n and meta.sliding_window is None:
             # Whole sequence computed in this step: no cache read, plain causal attention.
             ks, vs = k[s:s + n].transpose(0, 1)[None], v[s:s + n].transpose(0, 1)[None]

@@ -13,8 +13,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "simd.h"
-
 #define MAX_H 128
 #define MAX_D 256
 #define MAX_BS 64
@@ -66,29 +64,6 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
                 }
             }
             /* Online softmax: rescale each head's running sum and output once per block. */
-            if (block_size % VW == 0) { /* a vector at a time, exp a polynomial (simd.h) */
-                for (int h = h0; h < h1; ++h) {
-                    float *sh = s + h * block_size;
-                    for (int t = 0; t < lo; ++t) sh[t] = -INFINITY; /* outside [lo, hi): ~0 after exp */
-                    for (int t = hi; t < block_size; ++t) sh[t] = -INFINITY;
-                    vf mv = *(vf *)sh;
-                    for (int t = VW; t < block_size; t += VW) mv = vmax(mv, *(vf *)(sh + t));
-                    const float bmax = hmax(mv), mnew = bmax > m[h] ? bmax : m[h];
-                    const float corr = m[h] == -INFINITY ? 0.f : expf(m[h] - mnew);
-                    vf sum = (vf){};
-                    for (int t = 0; t < block_size; t += VW) {
-                        vf e = vexp(*(vf *)(sh + t) - mnew);
-                        *(vf *)(sh + t) = e;
-                        sum += e;
-                    }
-                    l[h] = l[h] * corr + hsum(sum);
-                    m[h] = mnew;
-                    float *ah = acc + h * dim;
-                    if (corr != 1.f)
-#pragma omp simd
-                        for (int d = 0; d < dim; ++d) ah[d] *= corr;
-                }
-            } else
             for (int h = h0; h < h1; ++h) {
                 float bmax = -INFINITY;
                 for (int t = lo; t < hi; ++t) bmax = s[h * block_size + t] > bmax ? s[h * block_size + t] : bmax;

@@ -132,9 +132,7 @@ static void task(const float *q, const float *kt, const float *v, int64_t n, int
         accumulate(s, vk + k0 * vld, vld, dim, keys, o);
     }
     for (int i = 0; i < rows; ++i) {
-        float l = 0.f;
-        for (int w = 0; w < VW; ++w) l += lv[i][w];
-        const float inv = 1.f / l;
+        const float inv = 1.f / hsum(lv[i]);
         float *dst = out + ((q0 + i) * heads + h) * dim;
         for (int d = 0; d < dim; ++d) dst[d] = o[i * dim + d] * inv;
     }
@@ -148,10 +146,10 @@ int causal_prefill_attention(const float *q, const float *k, const float *v, int
     const int64_t nk = prefix + n, n_pad = (nk + KB - 1) / KB * KB;
     float *kt = aligned_alloc(64, sizeof(float) * (size_t)kv_heads * dim * n_pad + 64);
     if (kt == NULL) return -1;
-    /* K transposed per KV head in tiles of KB keys ([dim][KB] each, contiguous; zero past the last key) so
-     * that scores read keys as vectors. One transposed [dim][n] per head put its rows 4n bytes
-     * apart: with n a power of two they shared a few L1 sets, and the tile's rows evicted each
-     * other. */
+    /* K transposed per KV head in tiles of KB keys ([dim][KB] each, contiguous; zero past the
+     * last key) so that scores read keys as vectors. One transposed [dim][n] per head put its
+     * rows 4n bytes apart: with n a power of two they shared a few L1 sets, and the tile's rows
+     * evicted each other. */
 #pragma omp parallel for schedule(static)
     for (int64_t blk = 0; blk < (int64_t)kv_heads * (n_pad / KB); ++blk) {
         const int kh = (int)(blk / (n_pad / KB));
