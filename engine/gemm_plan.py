@@ -18,6 +18,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
+from engine import gemm_times
 from engine.linear import ONEDNN_MAX_ROWS, UNBOUNDED, Linear, gemm_rows
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,14 @@ POINTS = (1, 2, 4, 8, 16, 64, 256, 1024)
 PROBE_BYTES = 512 << 20
 MARGIN = 1.03  # a kernel later in KERNEL_ORDER must be this much faster to take a row count
 KERNEL_ORDER = ("mkl", "onednn", "native")  # MKL's copy is always there and its call is cheapest
-MAX_PASS_S = 0.05  # stop measuring once the next row count's passes would take longer than this
+MAX_PASS_S = 0.1  # stop measuring once the next row count's passes would take longer than this
+# From this many rows a GEMM is compute-bound: whether its weights are still cached from a
+# neighbour's call no longer matters, and one layer per shape is timed, not a pass over them all.
+# Timed as whole passes, the 50M model's prompt-sized rows (256 and up) cost more than
+# MAX_PASS_S, so 64 rows were the largest measured and decided 2048-row prompts, where the
+# kernels differ most: on an Intel Xeon the native kernel, 5% ahead at 64 rows, ran 2048 1.4x
+# slower than MKL.
+ONE_LAYER_ROWS = 256
 REPEATS = 2
 
 
@@ -61,17 +69,19 @@ def onednn_packs(dtype: torch.dtype | str) -> bool:
         dtype == "float32" or torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def pack_linears(net: nn.Module, layout: str, max_rows: int, logits_rows: int) -> dict[str, str]:
+def pack_linears(net: nn.Module, layout: str, max_rows: int, logits_rows: int, keep: bool = True,
+                 ) -> dict[str, str]:
     """Give the linear layers their copies and routes for `layout`; with "auto", measured here for
-    up to `max_rows` rows (the token budget; `logits_rows` for the LM head). Returns the routes
-    per weight shape, as `describe` writes them."""
+    up to `max_rows` rows (the token budget; `logits_rows` for the LM head), and with `keep` merged
+    with earlier starts' times (tune). Returns the routes per weight shape, as `describe` writes them."""
     linears = [m for m in net.modules() if isinstance(m, Linear)]  # model order: layer by layer, LM head last
     groups: dict[tuple, list[Linear]] = defaultdict(list)
     for m in linears:
         groups[shape_of(m)].append(m)
     with torch.inference_mode():
+        source = ""
         if layout == "auto":
-            tune(linears, getattr(net, "lm_head", None), max_rows, logits_rows)
+            source = tune(linears, getattr(net, "lm_head", None), max_rows, logits_rows, keep=keep)
         for layers in groups.values():
             for m in layers:
                 if layout == "native":
@@ -80,7 +90,7 @@ def pack_linears(net: nn.Module, layout: str, max_rows: int, logits_rows: int) -
                     m.pack(keep_mkl=layout == "both")
             _warm_onednn(layers[0])
     routes = {f"{k}x{n}": describe(layers[0]) for (k, n, _, _), layers in groups.items()}
-    log.info("GEMM routes (%s): %s", layout, routes)
+    log.info("GEMM routes (%s%s): %s", layout, f", {source}" if source else "", routes)
     return routes
 
 
@@ -88,14 +98,16 @@ def shape_of(m: Linear) -> tuple:
     return (m.in_features, m.out_features, m.bias is not None, m.weight_t.dtype)
 
 
-def tune(order: list[Linear], lm_head: Linear | None, max_rows: int, logits_rows: int) -> None:
+def tune(order: list[Linear], lm_head: Linear | None, max_rows: int, logits_rows: int, keep: bool = False) -> str:
     """Route every weight shape by measuring passes over the model's linear layers, as a step
     runs them: each layer's own weights have left the caches by its next call, as they have in a
     step, and that decides small row counts (a layer timed alone ran from cache, and its winner
     lost whole decode steps by 15-20%). The probe is every layer up to PROBE_BYTES of weights
     (at least one per shape), given all copies; the others get only the copies they are routed to.
     `order`: the linear layers in the order a step calls them; `lm_head` (one of them, or None) is
-    measured only up to `logits_rows`."""
+    measured only up to `logits_rows`. With `keep`, the times merge with those of earlier starts
+    on this host (engine/gemm_times.py), which decide alone once settled. Returns where the
+    times came from."""
     probe, seen, total = [], set(), 0
     for m in order:
         nbytes = m.weight_t.numel() * m.weight_t.element_size()
@@ -103,32 +115,81 @@ def tune(order: list[Linear], lm_head: Linear | None, max_rows: int, logits_rows
             probe.append(m)
             seen.add(shape_of(m))
             total += nbytes
-            _add_copies(m, KERNEL_ORDER)
     limits = {shape_of(m): logits_rows if m is lm_head else max_rows for m in probe}
-    times: dict[tuple, dict[int, dict[str, float]]] = defaultdict(dict)  # shape -> rows -> kernel -> s
-    for rows in POINTS:
-        layers = [m for m in probe if rows <= max(limits[shape_of(m)], 1)]
+    method = (POINTS, ONE_LAYER_ROWS, MAX_PASS_S, PROBE_BYTES, REPEATS)  # what the times mean
+    path = gemm_times.times_path([shape_name(m) for m in probe], [limits[shape_of(m)] for m in probe],
+                                 method) if keep else None
+    starts, times = gemm_times.load(path) if path else (0, {})
+    source = f"kept from {starts} starts"
+    if starts < gemm_times.SETTLED:
+        for m in probe:
+            _add_copies(m, KERNEL_ORDER)
+        times = gemm_times.merge(times, _measure_points(probe, limits))
+        source = "measured" if path is None else f"measured, merged with {starts} earlier starts"
+        if path is not None:
+            gemm_times.save(path, starts + 1, times)
+    for m in order:
+        _route(m, times.get(shape_name(m), {}))
+    return source
+
+
+def _measure_points(probe: list[Linear], limits: dict[tuple, int]) -> gemm_times.Times:
+    """Per shape name, row count and kernel: the time of a pass over the probe's layers of that
+    shape, or from ONE_LAYER_ROWS rows on, of its first layer alone."""
+    times: gemm_times.Times = defaultdict(dict)  # shape -> rows -> kernel -> s
+    for i, rows in enumerate(POINTS):
+        layers = _layers_at(probe, limits, rows)
         if not layers:
             break
         measured = measure(layers, rows)
-        for shape, best in measured.items():
-            times[shape][rows] = best
-        if sum(min(best.values()) for best in measured.values()) * 4 > MAX_PASS_S:
-            break  # the next row count's passes would take too long: the largest measured serves them
-    for m in order:
-        points = sorted(times[shape_of(m)])
-        chosen = [pick(times[shape_of(m)][p]) for p in points]
+        for m in layers:
+            times[shape_name(m)][rows] = measured[shape_of(m)]
+        if i + 1 < len(POINTS):  # stop where the next row count's passes would take too long
+            nxt = POINTS[i + 1]
+            per_layer = {shape: min(best.values()) / sum(shape_of(m) == shape for m in layers)
+                         for shape, best in measured.items()}
+            cost = sum(per_layer.get(shape_of(m), 0.0) for m in _layers_at(probe, limits, nxt)) * nxt / rows
+            if cost > MAX_PASS_S:
+                break  # the largest measured serves them
+    return dict(times)
+
+
+def _layers_at(probe: list[Linear], limits: dict[tuple, int], rows: int) -> list[Linear]:
+    layers = [m for m in probe if rows <= max(limits[shape_of(m)], 1)]
+    if rows >= ONE_LAYER_ROWS:
+        first: dict[tuple, Linear] = {}
+        for m in layers:
+            first.setdefault(shape_of(m), m)
+        layers = list(first.values())
+    return layers
+
+
+def _route(m: Linear, by_rows: dict[int, dict[str, float]]) -> None:
+    """Route `m` by its shape's times, giving it the copies the routes need; a kernel whose copy
+    cannot be made here (times kept from a start that could build it) is left out."""
+    allowed = set(KERNEL_ORDER)
+    while True:
+        points = sorted(by_rows)
+        chosen = [pick({k: s for k, s in by_rows[p].items() if k in allowed}) for p in points]
         bounds, kernels = routes_from(points, chosen) if chosen else ([UNBOUNDED], ["mkl"])
-        if m not in probe:
-            _add_copies(m, kernels)
-        m.route(bounds, kernels)
-        m.drop_unrouted()
+        _add_copies(m, kernels)
+        missing = set(kernels) - set(m.kernels())
+        if not missing:
+            break
+        allowed -= missing
+    m.route(bounds, kernels)
+    m.drop_unrouted()
+
+
+def shape_name(m: Linear) -> str:
+    return f"{m.in_features}x{m.out_features}{'+bias' if m.bias is not None else ''}:{m.weight_t.dtype}"
 
 
 def _add_copies(m: Linear, kernels) -> None:
-    if "onednn" in kernels and m.weight_t.device.type == "cpu" and onednn_packs(m.weight_t.dtype):
+    """Give `m` the copies of `kernels` it lacks and can hold here."""
+    if "onednn" in kernels and m.packed is None and m.weight_t.device.type == "cpu" and onednn_packs(m.weight_t.dtype):
         m.pack(keep_mkl=True)
-    if "native" in kernels:
+    if "native" in kernels and m.panels is None:
         m.pack_panels()
 
 
@@ -155,7 +216,8 @@ def measure(layers: list[Linear], rows: int) -> dict[tuple, dict[str, float]]:
 
 
 def pick(times: dict[str, float]) -> str:
-    """The fastest kernel, unless one earlier in KERNEL_ORDER is within MARGIN of it."""
+    """The fastest kernel, unless one earlier in KERNEL_ORDER is within MARGIN of it (MKL's time,
+    always measured, keeps this from being asked of an empty set)."""
     fastest = min(times.values())
     return next(k for k in KERNEL_ORDER if k in times and times[k] <= fastest * MARGIN)
 

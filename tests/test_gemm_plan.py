@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from engine import gemm_plan, gemm_times
 from engine.gemm_plan import MARGIN, pick, routes_from, tune
 from engine.linear import UNBOUNDED, Linear
 
@@ -54,3 +55,85 @@ def test_tune_routes_away_from_a_slow_kernel(slow):
             torch.testing.assert_close(m(x), want[id(m)], rtol=1e-5, atol=1e-3)
     # The LM head is measured only up to the rows that need logits; above them its last one serves.
     assert head.route_bounds[-1] == UNBOUNDED
+
+
+class FastThenSlow(Linear):
+    """Every call sleeps `base` seconds, and `extra` more: below `rows` rows on every kernel but
+    `kernel`, from `rows` rows on `kernel` alone (it leads at small row counts only)."""
+
+    def __init__(self, k: int, n: int, base: float, kernel: str, rows: int, extra: float) -> None:
+        super().__init__(k, n, bias=False)
+        torch.nn.init.normal_(self.weight_t)
+        self.base, self.kernel, self.rows, self.extra = base, kernel, rows, extra
+
+    def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        slow = (kernel == self.kernel) == (x.shape[0] >= self.rows)
+        time.sleep(self.base + (self.extra if slow else 0.0))
+        return super().run(kernel, x)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN beside MKL")
+def test_prompt_sized_rows_are_measured_even_when_whole_passes_are_long():
+    """A model whose pass over all layers is long still has its prompt-sized row counts measured
+    (one layer per shape): the winner at small row counts must not decide 1024-row prompts. Here
+    oneDNN leads below 256 rows and trails from there on."""
+    layers = [FastThenSlow(256, 384, 0.001, "onednn", 256, 0.004) for _ in range(12)]
+    with torch.inference_mode():
+        tune(layers, None, max_rows=1024, logits_rows=1)
+    m = layers[0]
+    assert m.kernel_for(16) == "onednn", (m.route_bounds, m.route_kernels)
+    assert m.kernel_for(1024) != "onednn" and m.kernel_for(256) != "onednn", (m.route_bounds, m.route_kernels)
+
+
+def _tune_kept(layers, head) -> str:
+    with torch.inference_mode():
+        return tune([*layers, head], head, max_rows=64, logits_rows=4, keep=True)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN beside MKL")
+def test_kept_times_merge_over_starts_then_decide_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    made = lambda: ([SlowOn(256, 384, "onednn") for _ in range(3)], SlowOn(256, 1000, "onednn"))  # noqa: E731
+    for start in range(gemm_times.SETTLED):
+        assert _tune_kept(*made()) == f"measured, merged with {start} earlier starts"
+    files = list(tmp_path.glob("gemm-times-*.json"))
+    assert len(files) == 1
+    starts, times = gemm_times.load(files[0])
+    assert starts == gemm_times.SETTLED and set(times) == {"256x384:torch.float32", "256x1000:torch.float32"}
+
+    def no_measuring(*a, **k):
+        raise AssertionError("settled times must decide without measuring")
+    monkeypatch.setattr(gemm_plan, "measure", no_measuring)
+    layers, head = made()
+    assert _tune_kept(layers, head) == f"kept from {gemm_times.SETTLED} starts"
+    x = torch.randn(5, 256)
+    for m in (*layers, head):
+        assert "onednn" not in m.route_kernels and set(m.kernels()) == {"mkl", *m.route_kernels}
+        with torch.inference_mode():
+            torch.testing.assert_close(m(x), x @ m.weight_t, rtol=1e-5, atol=1e-3)
+
+
+def test_merge_keeps_the_fastest_time_seen():
+    old = {"a": {1: {"mkl": 2.0, "onednn": 1.0}}}
+    new = {"a": {1: {"mkl": 1.5, "onednn": 3.0}, 4: {"mkl": 1.0}}, "b": {1: {"mkl": 9.0}}}
+    assert gemm_times.merge(old, new) == {"a": {1: {"mkl": 1.5, "onednn": 1.0}, 4: {"mkl": 1.0}},
+                                          "b": {1: {"mkl": 9.0}}}
+    assert old == {"a": {1: {"mkl": 2.0, "onednn": 1.0}}}  # inputs untouched
+
+
+def test_unreadable_or_missing_times_are_measured_afresh(tmp_path):
+    path = tmp_path / "gemm-times-x.json"
+    assert gemm_times.load(path) == (0, {})
+    path.write_text("{not json")
+    assert gemm_times.load(path) == (0, {})
+    gemm_times.save(path, 2, {"a": {16: {"mkl": 0.5}}})
+    assert gemm_times.load(path) == (2, {"a": {16: {"mkl": 0.5}}})
+
+
+def test_a_kept_kernel_this_start_cannot_hold_is_left_out():
+    """Times kept from a start that built the native kernel, on a layer too small for its panels
+    (or a start where the compiler is gone): the routes use what the layer can hold."""
+    m = Linear(8, 8, bias=False)  # below NATIVE_MIN_WEIGHT: no panels
+    torch.nn.init.normal_(m.weight_t)
+    gemm_plan._route(m, {1: {"mkl": 2.0, "native": 1.0}, 16: {"mkl": 2.0, "onednn": 3.0, "native": 1.0}})
+    assert m.route_kernels == ["mkl"] and m.kernels() == ("mkl",)
