@@ -40,7 +40,10 @@ def _reference(q, k_cache, v_cache, tables, lens, window):
 
 @pytest.mark.skipif(paged_decode() is None, reason="no C compiler: the kernel is not built here")
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size", "window"),
-                         [(8, 4, 64, 16, None), (8, 2, 32, 16, 37), (4, 4, 8, 8, None), (12, 3, 128, 32, 5)])
+                         [(8, 4, 64, 16, None), (8, 2, 32, 16, 37), (4, 4, 8, 8, None), (12, 3, 128, 32, 5),
+                          # Head sizes of 1-6 vectors (AVX-512 or AVX2), blocks shorter and longer
+                          # than a vector of tokens, eight queries per KV head, none shared.
+                          (6, 6, 48, 64, None), (16, 2, 16, 8, None), (4, 1, 80, 16, 20), (2, 2, 96, 4, None)])
 def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size, window):
     g = torch.Generator().manual_seed(heads * dim + block_size)
     layers, num_blocks = 3, 64
