@@ -139,13 +139,14 @@ def panel_gemm():
 
 @functools.cache
 def elementwise():
-    """The C functions of csrc/elementwise.c as (silu_mul, rotary), or None."""
+    """The C functions of csrc/elementwise.c as (silu_mul, rotary, row_argmax_lse), or None."""
     lib = _load("elementwise.c", "SiLU-and-multiply and rotary embeddings use torch ops")
     if lib is None:
         return None
     lib.silu_mul.argtypes, lib.silu_mul.restype = [_PTR, _I64, _I64, _I64, _PTR, _I64], None
     lib.rotary.argtypes, lib.rotary.restype = [_PTR, _I64, _I64, _I32, _I32, _PTR, _PTR, _I64], None
-    return lib.silu_mul, lib.rotary
+    lib.row_argmax_lse.argtypes, lib.row_argmax_lse.restype = [_PTR, _I64, _I64, _I64, _PTR, _PTR], None
+    return lib.silu_mul, lib.rotary, lib.row_argmax_lse
 
 
 @functools.cache

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import elementwise as native_elementwise
 from engine.sampling_params import SamplingParams
 
 
@@ -25,23 +26,35 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def argmax_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the first largest logit's index and the log-sum-exp. A token's logprob is its
+    logit less the row's log-sum-exp, so no whole log-softmax is written: one native pass where
+    it can (engine/csrc/elementwise.c; 32 rows of a 32000-token vocabulary 1.9 -> ~0.2 ms)."""
+    fns = native_elementwise() if logits.dtype == torch.float32 and logits.device.type == "cpu" else None
+    if fns is None or logits.dim() != 2 or logits.stride(1) != 1:
+        return torch.argmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
+    rows, cols = logits.shape
+    tokens, lse = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.float32)
+    fns[2](logits.data_ptr(), logits.stride(0), rows, cols, tokens.data_ptr(), lse.data_ptr())
+    return tokens, lse
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
            ) -> tuple[list[int], list[float], list[dict[int, float] | None]]:
     """logits: [B, V] float32. Returns the sampled ids, their logprobs under the raw model
     distribution (before temperature and filtering, as vLLM reports them) and, for rows that
     ask, the top-n alternatives."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = torch.argmax(logits, dim=-1)
+    tokens, lse = argmax_lse(logits)
     for i, p in enumerate(params):
         if p.greedy:
             continue
         row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(row, dim=-1)
         tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).item()
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
     top: list[dict[int, float] | None] = [None] * len(params)
     for i, p in enumerate(params):
         if p.logprobs:
-            vals, idx = torch.topk(logprobs[i], p.logprobs)
-            top[i] = dict(zip(idx.tolist(), vals.tolist(), strict=True))
+            vals, idx = torch.topk(logits[i], p.logprobs)
+            top[i] = dict(zip(idx.tolist(), (vals - lse[i]).tolist(), strict=True))
     return tokens.tolist(), chosen.tolist(), top

@@ -11,13 +11,14 @@ import torch.nn.functional as F
 
 from engine.kernels import elementwise
 from engine.model import rope_tables, rotate_half
+from engine.sampler import argmax_lse
 
 pytestmark = pytest.mark.skipif(elementwise() is None, reason="no C compiler: the kernels are not built here")
 
 
 @pytest.mark.parametrize(("rows", "width"), [(1, 1408), (5, 37), (600, 512)])
 def test_silu_mul_matches_torch(rows, width):
-    silu_mul, _ = elementwise()
+    silu_mul = elementwise()[0]
     torch.manual_seed(rows + width)
     gate_up = torch.randn(rows, 2 * width) * 6  # well into both tails of the sigmoid
     gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
@@ -29,7 +30,7 @@ def test_silu_mul_matches_torch(rows, width):
 
 @pytest.mark.parametrize(("rows", "heads", "dim"), [(1, 12, 64), (7, 3, 16), (300, 6, 128), (4, 2, 20)])
 def test_rotary_matches_torch(rows, heads, dim):
-    _, rotary = elementwise()
+    rotary = elementwise()[1]
     torch.manual_seed(rows * heads + dim)
     cos_t, sin_t = rope_tables(4096, 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
     positions = torch.randint(0, 4096, (rows,))
@@ -41,3 +42,21 @@ def test_rotary_matches_torch(rows, heads, dim):
     rotary(qkv.data_ptr(), qkv.stride(0), rows, heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0))
     torch.testing.assert_close(qkv[:, :heads * dim].view(rows, heads, dim), want, rtol=1e-5, atol=1e-6)
     assert torch.equal(qkv[:, heads * dim:], v)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 32000), (7, 37), (32, 512), (3, 5)])
+def test_row_argmax_lse_matches_torch(rows, cols):
+    """The sampler's argmax and log-sum-exp (the logprob of a token is its logit less it)."""
+    torch.manual_seed(rows * cols)
+    logits = torch.randn(rows, cols) * 8
+    logits[0, cols // 2] = logits[0].max() + 0.5  # a maximum past the first vectors
+    if cols > 4:
+        logits[-1, 1] = logits[-1, 3] = logits[-1].max() + 1  # ties: the first one, as torch
+    tokens, lse = argmax_lse(logits)
+    assert tokens.tolist() == torch.argmax(logits, dim=-1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+    # A padded view (rows of stride > cols) reads only its own columns.
+    wide = torch.randn(rows, cols + 9) * 8
+    tokens, lse = argmax_lse(wide[:, :cols])
+    assert tokens.tolist() == torch.argmax(wide[:, :cols], dim=-1).tolist()
+    torch.testing.assert_close(lse, torch.logsumexp(wide[:, :cols], dim=-1), rtol=1e-6, atol=1e-5)

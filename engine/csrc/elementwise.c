@@ -51,3 +51,29 @@ void rotary(float *x, int64_t ldx, int64_t rows, int heads, int dim, const float
         }
     }
 }
+
+/* Per row of logits: the largest value's index (the first, as torch.argmax) and the row's
+ * log-sum-exp, in two passes over the row where torch made three and wrote a whole log-softmax:
+ * the sampler needs only the chosen tokens' logprobs (logit - lse). 32 rows of a 32000-token
+ * vocabulary: ~1.9 ms a decode step with torch. */
+void row_argmax_lse(const float *x, int64_t ldx, int64_t rows, int64_t cols, int64_t *arg, float *lse) {
+#pragma omp parallel for schedule(static) if (rows * cols >= 65536)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * ldx;
+        int64_t i = 0, best = 0;
+        float top = -INFINITY;
+        if (cols >= VW) {
+            vf mv = *(const vf *)row;
+            for (i = VW; i + VW <= cols; i += VW) mv = vmax(mv, *(const vf *)(row + i));
+            top = hmax(mv);
+        }
+        for (; i < cols; ++i) top = row[i] > top ? row[i] : top;
+        while (best < cols && !(row[best] == top)) ++best; /* the first maximum (NaN rows: none) */
+        vf acc = {};
+        for (i = 0; i + VW <= cols; i += VW) acc += vexp(*(const vf *)(row + i) - top);
+        float sum = hsum(acc);
+        for (; i < cols; ++i) sum += expf(row[i] - top);
+        arg[r] = best < cols ? best : 0;
+        lse[r] = top + logf(sum);
+    }
+}
