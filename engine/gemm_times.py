@@ -11,7 +11,7 @@ measured (which also takes the measurement, 1-2 s for the 50M model, off the sta
 
 The file lives beside the native kernels' builds (engine/kernels.py cache_dir, so
 PDSERVE_KERNEL_CACHE moves both) and is named by what the times depend on: the CPU, torch and
-its thread count, the kernels' sources, and the layers and row counts measured. Delete it to
+its thread count, the native GEMM's source, and the layers and row counts measured. Delete it to
 measure afresh.
 """
 
@@ -21,13 +21,12 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 from pathlib import Path
 
 import torch
 
-from engine.kernels import CSRC, cache_dir
+from engine.kernels import CSRC, cache_dir, cpu_description
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +37,8 @@ Times = dict[str, dict[int, dict[str, float]]]  # shape -> rows -> kernel -> sec
 def times_path(shapes: list[str], limits: list[int], method: tuple) -> Path:
     """The file for these measured layers (shape names in probe order), their row limits and
     how they are measured (row counts, ...), on this host, torch build and thread count."""
-    try:
-        cpu = Path("/proc/cpuinfo").read_text()
-        cpu = "\n".join(ln for ln in cpu.splitlines() if ln.startswith(("model name", "flags")))
-    except OSError:
-        cpu = platform.processor()
-    sources = [p.read_text() for p in sorted(CSRC.glob("*.[ch]"))]
-    key = hashlib.sha256("\0".join([cpu, torch.__version__, str(torch.get_num_threads()), *sources,
+    sources = [(CSRC / "panel_gemm.c").read_text()]  # the one kernel timed here (MKL and oneDNN: torch's version)
+    key = hashlib.sha256("\0".join([cpu_description(), torch.__version__, str(torch.get_num_threads()), *sources,
                                     repr(shapes), repr(limits), repr(method)]).encode()).hexdigest()[:16]
     return cache_dir() / f"gemm-times-{key}.json"
 

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -34,18 +35,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
 
 
-def _cpu_flags() -> str:
+def cpu_description() -> str:
+    """The CPU's model name and flags (what a build with -march=native, or a timing, depends on)."""
     try:
-        return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return platform.processor()
+    first = {}
+    for ln in lines:
+        key = ln.split(":", 1)[0].strip()
+        if key in ("model name", "flags"):
+            first.setdefault(key, ln)
+    return "\n".join(first.values())
 
 
 def _build(cc: str, src: Path) -> Path:
     version = subprocess.run([cc, "-dumpfullversion"], capture_output=True, text=True, timeout=30).stdout.strip()
     headers = [h.read_text() for h in sorted(src.parent.glob("*.h"))]  # sources include them (simd.h)
     key = hashlib.sha256("\0".join([src.read_text(), *headers, cc, version, *FLAGS, platform.machine(),
-                                     _cpu_flags()]).encode()).hexdigest()[:16]
+                                     cpu_description()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{src.stem}-{key}.so"
     if out.exists():
         return out
@@ -137,16 +145,24 @@ def panel_gemm():
     return fn
 
 
+class Elementwise(NamedTuple):
+    """The C functions of csrc/elementwise.c."""
+
+    silu_mul: ctypes._CFuncPtr
+    rotary: ctypes._CFuncPtr
+    row_argmax_lse: ctypes._CFuncPtr
+
+
 @functools.cache
-def elementwise():
-    """The C functions of csrc/elementwise.c as (silu_mul, rotary, row_argmax_lse), or None."""
-    lib = _load("elementwise.c", "SiLU-and-multiply and rotary embeddings use torch ops")
+def elementwise() -> Elementwise | None:
+    """The C functions of csrc/elementwise.c with their argument types, or None."""
+    lib = _load("elementwise.c", "SiLU-and-multiply, rotary embeddings and the sampler's argmax use torch ops")
     if lib is None:
         return None
     lib.silu_mul.argtypes, lib.silu_mul.restype = [_PTR, _I64, _I64, _I64, _PTR, _I64], None
     lib.rotary.argtypes, lib.rotary.restype = [_PTR, _I64, _I64, _I32, _I32, _PTR, _PTR, _I64], None
     lib.row_argmax_lse.argtypes, lib.row_argmax_lse.restype = [_PTR, _I64, _I64, _I64, _PTR, _PTR], None
-    return lib.silu_mul, lib.rotary, lib.row_argmax_lse
+    return Elementwise(lib.silu_mul, lib.rotary, lib.row_argmax_lse)
 
 
 @functools.cache

@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
             k = k * cos + rotate_half(k) * sin
         elif (native := _native(qkv)) is not None and cos.is_contiguous() and cos.shape[-1] == self.head_dim:
             # In place on the projection's q and k heads, one pass (engine/csrc/elementwise.c).
-            native[1](qkv.data_ptr(), qkv.stride(0), t, self.num_heads + self.num_kv_heads, self.head_dim,
+            native.rotary(qkv.data_ptr(), qkv.stride(0), t, self.num_heads + self.num_kv_heads, self.head_dim,
                       cos.data_ptr(), sin.data_ptr(), cos.stride(0))
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
@@ -91,7 +91,7 @@ class DecoderLayer(nn.Module):
         width = gate_up.shape[1] // 2
         if self.act is F.silu and (native := _native(gate_up)) is not None:
             act = torch.empty(t, width, dtype=gate_up.dtype)
-            native[0](gate_up.data_ptr(), gate_up.stride(0), t, width, act.data_ptr(), width)
+            native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, width, act.data_ptr(), width)
         else:
             act = self.act(gate_up[:, :width]) * gate_up[:, width:]
         return residual + self.down_proj(act)

@@ -93,7 +93,9 @@ def _tune_kept(layers, head) -> str:
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN beside MKL")
 def test_kept_times_merge_over_starts_then_decide_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
-    made = lambda: ([SlowOn(256, 384, "onednn") for _ in range(3)], SlowOn(256, 1000, "onednn"))  # noqa: E731
+
+    def made():
+        return [SlowOn(256, 384, "onednn") for _ in range(3)], SlowOn(256, 1000, "onednn")
     for start in range(gemm_times.SETTLED):
         assert _tune_kept(*made()) == f"measured, merged with {start} earlier starts"
     files = list(tmp_path.glob("gemm-times-*.json"))

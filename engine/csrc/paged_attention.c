@@ -70,6 +70,13 @@ static inline vf fold_sums(vf *p) {
     return p[0];
 }
 
+/* The tokens [lo, hi) of block blk that lie in [start, len). */
+static inline void block_span(int64_t blk, int block_size, int64_t start, int64_t len, int *lo, int *hi) {
+    const int64_t b0 = blk * block_size, b1 = b0 + block_size;
+    *lo = (int)((start > b0 ? start : b0) - b0);
+    *hi = (int)((len < b1 ? len : b1) - b0);
+}
+
 /* Loads and stores through a vector type that may alias floats: memcpy of a 32-byte vector
  * compiled (AVX2) to 16-byte copies through the stack, which kept the output accumulators in
  * memory too (the kernel 3-4x slower than the scalar loop it replaced). */
@@ -92,8 +99,8 @@ static inline __attribute__((always_inline)) void task_vec(
     memset(acc + kh0 * groups * dim, 0, sizeof(float) * (kh1 - kh0) * groups * dim);
     for (int64_t blk = start / block_size; blk * block_size < len; ++blk) {
         const int64_t id = table[blk];
-        const int lo = (int)((start > blk * block_size ? start : blk * block_size) - blk * block_size);
-        const int hi = (int)((len < (blk + 1) * block_size ? len : (blk + 1) * block_size) - blk * block_size);
+        int lo, hi;
+        block_span(blk, block_size, start, len, &lo, &hi);
         for (int kh = kh0; kh < kh1; ++kh) {
             const float *kb = k_cache + id * block_stride + kh * head_stride;
             const float *vb = v_cache + id * block_stride + kh * head_stride;
@@ -111,7 +118,7 @@ static inline __attribute__((always_inline)) void task_vec(
                         vf a = {}, b = {};
                         if (t0 + i < hi) {
                             const float *kt = kb + (t0 + i) * token_stride;
-        #pragma GCC unroll 16
+#pragma GCC unroll 16
                             for (int c = 0; c + 1 < NC; c += 2) {
                                 a += q[c] * vload(kt + c * VW);
                                 b += q[c + 1] * vload(kt + (c + 1) * VW);
@@ -175,8 +182,8 @@ static void task_scalar(const float *qb, const float *k_cache, const float *v_ca
     for (int64_t blk = start / block_size; blk * block_size < len; ++blk) {
         const int64_t id = table[blk];
         const float *kb = k_cache + id * block_stride, *vb = v_cache + id * block_stride;
-        const int lo = (int)((start > blk * block_size ? start : blk * block_size) - blk * block_size);
-        const int hi = (int)((len < (blk + 1) * block_size ? len : (blk + 1) * block_size) - blk * block_size);
+        int lo, hi;
+        block_span(blk, block_size, start, len, &lo, &hi);
         /* Scores, walking the block's K in memory order: token, then KV head, then its queries. */
         for (int t = lo; t < hi; ++t) {
             for (int kh = kh0; kh < kh1; ++kh) {
