@@ -431,3 +431,27 @@ def test_misses_of_a_pool_the_plan_finds_short_teach_no_offset():
     short = run(3)  # the model predicts most TTFTs met with 3, and the plan wants 4 for its goal
     assert short.offset["prefill"] == 0.0
     assert run(12).offset["prefill"] < -0.2
+
+
+def test_decode_grows_at_once_when_asked_for_more_tokens_than_it_can_make():
+    """After a minute of one-token prompts, the first interval of 64-token outputs asks one
+    decode worker for ~1.5x the tokens it makes at its largest batch. The queueing model still
+    plans from a forecast that lags the step and a sample of mostly one-token requests (it kept
+    one worker in the live test, every request missing its TPOT); the decode floor grows the
+    pool at once."""
+    knots = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    prof = StepCostModel(knots, [0.0019 + 0.002 * k for k in knots], prefill_attention_s=4e-8,
+                         decode_attention_s=1.7e-6, kv_capacity_tokens=13104)  # ~500 tokens/s at most
+    cfg = PlannerSection(mode="sla", profile="unused", interval_s=3, startup_s=6, ttft_slo_s=1.5, tpot_slo_s=0.025,
+                         min_samples=5, prefill={"max_replicas": 3}, decode={"max_replicas": 3})
+    p, rng, current, t = SlaPlanner(cfg, prof), random.Random(0), {"prefill": 1, "decode": 1}, 0.0
+    for rate, prompt, output, intervals in [(4, 256, 1, 10), (12, 16, 64, 1)]:
+        for _ in range(intervals):
+            arrivals, at = [], t + rng.expovariate(rate)
+            while at < t + 3:
+                arrivals.append(Arrival(prompt, output, 0, at))
+                at += rng.expovariate(rate)
+            decision = p.plan(Observation(t, t + 3, arrivals), current)
+            current, t = dict(decision.desired), t + 3
+            assert output > 1 or current["decode"] == 1, decision  # prompts alone never grow decode
+    assert current["decode"] >= 2 and decision.inputs["decode_floor"] >= 2, decision

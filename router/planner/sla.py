@@ -154,6 +154,8 @@ class SlaPlanner:
             short = {p: n > block[1].get(p, 0) for p, n in self._size(rate, decode_rate, pt, dt).items()}
             self._correct(*block, pt, dt, short)
         need = self._size(rate, decode_rate, pt, dt)
+        floor = self._decode_floor(obs)
+        need["decode"] = max(need["decode"], floor)
         # A scale-down also needs confidence that the load fell: the planned rate plus two
         # Poisson standard errors, so that a quiet interval at low rates (a handful of arrivals)
         # does not shed a worker the next one needs back. The error is the rate's over a
@@ -166,9 +168,10 @@ class SlaPlanner:
         noise = 2 * math.sqrt(rate / max(cfg.interval_s, cfg.scale_down_window_s / 4))
         grow = (rate + noise) * (1 + cfg.hysteresis) / rate if rate > 0 else 1.0
         relaxed = self._size(rate * grow, decode_rate * grow, pt, dt)
+        relaxed["decode"] = max(relaxed["decode"], floor)
         desired, reasons = self._policy(now, current, need, relaxed)
         inputs = {"rate_observed": obs.rate, "rate_burst": burst, "rate_planned": rate, "rate_decode": decode_rate,
-                  "sample": len(self.sample), "miss_share_prefill": self.share,
+                  "decode_floor": floor, "sample": len(self.sample), "miss_share_prefill": self.share,
                   "arrival_cv2": cv2, "prefix_hit_fraction": self.hit_fraction,
                   "attainment_observed": obs.attainment(), "attainment_planned": self.aim,
                   "attainment_window": self.met_sums[0] / self.met_sums[1] if self.met_sums[1] else None,
@@ -303,6 +306,29 @@ class SlaPlanner:
         predicted = prof_d.itl_seconds(1.0 + batch, ctx) + xfer
         self._blend("decode", tpot / predicted if predicted > 0 else 1.0)
 
+    def _decode_capacity(self, ctx: float) -> float:
+        """Decode tokens per second one worker makes at most: a step of as many sequences of
+        context `ctx` as its KV holds (at most MAX_BATCH)."""
+        prof = self.decode_model.profile
+        ctx = max(round(ctx), 1)
+        batch = min(MAX_BATCH, max((prof.kv_capacity_tokens or MAX_BATCH * ctx) // ctx, 1))
+        return batch / prof.itl_seconds(batch, ctx)
+
+    def _decode_floor(self, obs: Observation) -> int:
+        """The fewest decode workers that keep up with the decode tokens this interval's arrivals
+        ask for, each at its most tokens per second (_decode_capacity): fewer fall behind
+        whatever their TPOT. The queueing model sizes from the forecast rate and the sample's
+        mean output, both of which lag a change of mix: in the live test an output-heavy phase
+        (12 req/s x 64 tokens, 1.5x one worker's capacity) followed prompt-only traffic, and
+        with a rate planned at 6-8 and one-token outputs still in the sample the model kept
+        one decode worker, every request of the phase missing its TPOT."""
+        multi = [a for a in obs.arrivals if a.output_len > 1]
+        if not multi or obs.duration_s <= 0:
+            return 1
+        asked = sum(a.output_len - 1 for a in multi) / obs.duration_s
+        ctx = statistics.fmean(a.prompt_len + a.output_len / 2 for a in multi)
+        return max(1, math.ceil(asked / self._decode_capacity(ctx)))
+
     def _decode_saturated(self, obs: Observation, multi: list[Finished], current: dict[str, float]) -> bool:
         """Whether the block asked more decode tokens per second of the pool than SATURATED of
         what the profile says it makes at its largest batch (as many sequences as the KV holds).
@@ -314,10 +340,8 @@ class SlaPlanner:
         Azure code trace 5 points of TPOT attainment in the simulator.)"""
         if not multi:  # the block's finished requests with decode steps
             return False
-        prof = self.decode_model.profile
-        ctx = max(round(statistics.fmean(f.prompt_len + f.output_len / 2 for f in multi)), 1)
-        batch = min(MAX_BATCH, max((prof.kv_capacity_tokens or MAX_BATCH * ctx) // ctx, 1))
-        capacity = batch / prof.itl_seconds(batch, ctx) * max(current.get("decode", 0), 1.0)
+        ctx = statistics.fmean(f.prompt_len + f.output_len / 2 for f in multi)
+        capacity = self._decode_capacity(ctx) * max(current.get("decode", 0), 1.0)
         # What arrived as well as what finished: a saturated pool finishes only what it can.
         asked = sum(max(a.output_len - 1, 0) for a in obs.arrivals)
         demand = max(sum(f.output_len - 1 for f in multi), asked) / obs.duration_s
