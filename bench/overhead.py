@@ -3,7 +3,11 @@ is measured is the stack itself (issue #10, target 4):
 
 - the engine alone, in this process: seconds per decode step of one stream;
 - the same stream through a 1 prefill + 1 decode cluster (Ray actors), over HTTP streaming:
-  inter-token latency as the client sees it; the ratio is what the stack adds;
+  inter-token latency as the client sees it; the ratio is what the stack adds. The two alternate,
+  ROUNDS times, and the ratio is the median of each round's pair: this host's speed flips
+  between two levels (the engine's step alone 0.82 or 1.55 ms, pinned to a core or not, from
+  one second to the next), and an engine measured once before the cluster started gave "the
+  stack adds" anywhere from -24% to +66%;
 - a 1-token request over HTTP (non-streaming), p50 over 50 requests;
 - 8-token requests at concurrency 16 and 64: requests/s.
 
@@ -28,24 +32,67 @@ PROMPT = "Once upon a time there was a little girl named Lily"
 STREAM_TOKENS = 200
 
 
-def engine_step_s() -> float:
-    """Median seconds per decode step of one stream, the engine alone (one thread, as a worker)."""
-    from engine import EngineConfig, LLMEngine, SamplingParams
+ROUNDS = 5
 
-    eng = LLMEngine(EngineConfig(model=str(MODEL), num_threads=1))
-    params = SamplingParams(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True)
-    eng.add_request("warm", eng.tokenizer.encode(PROMPT), SamplingParams(max_tokens=8, temperature=0))
-    while eng.has_unfinished():
-        eng.step()
-    eng.add_request("r", eng.tokenizer.encode(PROMPT), params)
-    times, last = [], None
-    while eng.has_unfinished():
-        eng.step()
-        now = time.perf_counter()
-        if last is not None:
-            times.append(now - last)
-        last = now
-    return statistics.median(times[1:])  # the first step is the prefill
+
+class EngineProcess:
+    """EngineAlone in a spawned process: in this one, the Ray driver's threads took the GIL from
+    the engine's steps (1.6 ms a step in every round, against 0.82-1.55 in a process alone)."""
+
+    def __init__(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=EngineAlone.serve, args=(child,), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("the engine process did not start")
+
+    def step_s(self) -> float:
+        self.conn.send(True)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(False)
+        self.proc.join(30)
+
+
+class EngineAlone:
+    """The engine in this process, one thread, as a worker runs it."""
+
+    def __init__(self) -> None:
+        from engine import EngineConfig, LLMEngine, SamplingParams
+
+        self.eng = LLMEngine(EngineConfig(model=str(MODEL), num_threads=1))
+        self.params = SamplingParams(max_tokens=STREAM_TOKENS, temperature=0, ignore_eos=True)
+        self.ids = self.eng.tokenizer.encode(PROMPT)
+        self.runs = 0
+        self.eng.add_request("warm", self.ids, SamplingParams(max_tokens=8, temperature=0))
+        while self.eng.has_unfinished():
+            self.eng.step()
+
+    @staticmethod
+    def serve(conn) -> None:
+        """A clean process of its own (no Ray driver threads, no event loop): one measurement
+        per message until the pipe closes."""
+        engine = EngineAlone()
+        conn.send("ready")
+        while conn.recv():
+            conn.send(engine.step_s())
+
+    def step_s(self) -> float:
+        """Median seconds per decode step of one stream."""
+        self.runs += 1
+        self.eng.add_request(f"r{self.runs}", self.ids, self.params)
+        times, last = [], None
+        while self.eng.has_unfinished():
+            self.eng.step()
+            now = time.perf_counter()
+            if last is not None:
+                times.append(now - last)
+            last = now
+        return statistics.median(times[1:])  # the first step is the prefill
 
 
 async def stream_itl(session, url: str) -> float:
@@ -85,17 +132,24 @@ async def throughput(session, url: str, concurrency: int, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-async def against(url: str) -> dict:
+async def against(url: str, engine: EngineProcess) -> dict:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         await stream_itl(s, url)  # warm-up
-        itl = statistics.median([await stream_itl(s, url) for _ in range(3)])
-        return {"stream_itl_s": itl, "one_token_p50_s": await one_token_p50(s, url),
+        rounds = []
+        for _ in range(ROUNDS):  # engine and stack back to back: the same host speed for both
+            step = engine.step_s()
+            rounds.append({"engine_step_s": step, "stream_itl_s": await stream_itl(s, url)})
+        return {"rounds": rounds,
+                "engine_step_s": statistics.median(r["engine_step_s"] for r in rounds),
+                "stream_itl_s": statistics.median(r["stream_itl_s"] for r in rounds),
+                "stack_overhead": statistics.median(r["stream_itl_s"] / r["engine_step_s"] - 1 for r in rounds),
+                "one_token_p50_s": await one_token_p50(s, url),
                 "rps_c16": await throughput(s, url, 16, 200), "rps_c64": await throughput(s, url, 64, 400)}
 
 
-def _against_processes() -> dict:
+def _against_processes(engine: EngineProcess) -> dict:
     """The same measurements against `pdserve up --launcher process` (router in `up`, workers its
     children), started here and stopped after."""
     import signal
@@ -107,7 +161,7 @@ def _against_processes() -> dict:
                           text=True)
     try:
         url = next(line.split("HTTP at ")[1].split("/v1")[0] for line in up.stdout if "HTTP at " in line)
-        return asyncio.run(against(url))
+        return asyncio.run(against(url, engine))
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(120)
@@ -119,7 +173,7 @@ def main() -> int:
     ap.add_argument("--launcher", choices=["ray", "process"], default="ray",
                     help="how the cluster runs: Ray actors, or `pdserve up --launcher process`")
     args = ap.parse_args()
-    step = engine_step_s()
+    engine = EngineProcess()
     if args.launcher == "ray":
         from pdcommon.config import load_config
         from pdserve.launch.cluster import RayCluster
@@ -127,12 +181,16 @@ def main() -> int:
         cfg = load_config(ROOT / "configs" / "local.yaml", **{"model": str(MODEL), "router.port": 0,
                                                                "router.http_port": 0})
         with RayCluster(cfg) as cluster:
-            r = asyncio.run(against(cluster.http_address))
+            r = asyncio.run(against(cluster.http_address, engine))
     else:
-        r = _against_processes()
-    result = {"launcher": args.launcher, "engine_step_s": step, **r, "stack_overhead": r["stream_itl_s"] / step - 1}
-    print(f"engine step {step * 1e3:.2f} ms; stream ITL {r['stream_itl_s'] * 1e3:.2f} ms "
-          f"(stack adds {100 * result['stack_overhead']:.0f}%); "
+        r = _against_processes(engine)
+    engine.close()
+    result = {"launcher": args.launcher, **r}
+    for i, row in enumerate(r["rounds"]):
+        print(f"round {i}: engine step {row['engine_step_s'] * 1e3:.2f} ms, "
+              f"stream ITL {row['stream_itl_s'] * 1e3:.2f} ms")
+    print(f"engine step {r['engine_step_s'] * 1e3:.2f} ms; stream ITL {r['stream_itl_s'] * 1e3:.2f} ms "
+          f"(stack adds {100 * result['stack_overhead']:.0f}%, median of the rounds' pairs); "
           f"1-token request p50 {r['one_token_p50_s'] * 1e3:.1f} ms; "
           f"8-token req/s at c16 {r['rps_c16']:.1f}, c64 {r['rps_c64']:.1f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
