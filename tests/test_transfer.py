@@ -388,3 +388,44 @@ def test_several_transfers_to_a_silent_peer_all_time_out():
     finally:
         sender.close()
         rx.close()
+
+
+def test_zmq_first_frame_rides_with_the_header():
+    """A transfer of n frames is n messages, the first carrying the header: a short prompt's KV
+    (one frame) goes in one message. A receiver still takes a header alone, then every frame."""
+    import zmq
+
+    from transfer.zmq_transport import FRAME, HEADER, ZmqReceiver, ZmqSender
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVTIMEO, 3000)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    tx = ZmqSender()
+    try:
+        header, frames = make_payload(n_frames=2)
+        tx.send(f"tcp://127.0.0.1:{port}", header, frames, timeout_s=5)
+        first, second = router.recv_multipart(), router.recv_multipart()
+        assert first[1] == HEADER and len(first) == 7 and bytes(first[6]) == bytes(frames[0])
+        assert second[1] == FRAME and len(second) == 6 and bytes(second[5]) == bytes(frames[1])
+    finally:
+        tx.close()
+        router.close(linger=0)
+        ctx.term()
+    rx, tx = ZmqReceiver(host="127.0.0.1"), ZmqSender()
+    try:
+        header, frames = make_payload(n_frames=1)
+        handle = tx.send(rx.address, header, frames, timeout_s=5)
+        got = []
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            got = rx.poll(0.05)
+        assert len(got) == 1 and not got[0].error and bytes(got[0].frames[0]) == bytes(frames[0])
+        got[0].ack(True)
+        while not handle.done and time.monotonic() < deadline:
+            rx.poll(0.01)
+            tx.poll()
+        assert handle.state is TransferState.DONE
+    finally:
+        tx.close()
+        rx.close()
