@@ -11,9 +11,10 @@ Which kernel is fastest depends on the host, the layer's shape and the row count
 - AMD EPYC (AVX2): the native kernel ran 1 row 1.6-2.1x faster than MKL or oneDNN, 8 rows 1.5x and
   32 rows 1.3x faster than oneDNN, and whole prompts 2-19% faster than MKL; oneDNN beat MKL
   1.1-1.7x at 2-128 rows, MKL was 3-11% faster from 200 rows on.
-- Intel Xeon (AVX-512): the native kernel was 1.1-1.8x slower than MKL at every row count (its
-  16-float panels fill one AVX-512 register, not two AVX2 ones); oneDNN won from 16-32 rows on,
-  by up to 1.4x at 32 rows of the 32000-word LM head, and MKL at 1-8 rows.
+- Intel Xeon (AVX-512): with one AVX-512 register per row (AVX2's panel shape) the native kernel
+  was 1.1-1.8x slower than MKL at every row count; with two (32-float panels, 12-row tiles) it
+  ran the body layers 1.0-1.6x faster than the better library at 8-32 rows and at 75-85% of their
+  rate on prompts. oneDNN still wins the 32000-word LM head from 2 rows on.
 """
 
 from __future__ import annotations
