@@ -13,8 +13,8 @@ Which kernel is fastest depends on the host, the layer's shape and the row count
   1.1-1.7x at 2-128 rows, MKL was 3-11% faster from 200 rows on.
 - Intel Xeon (AVX-512): with one AVX-512 register per row (AVX2's panel shape) the native kernel
   was 1.1-1.8x slower than MKL at every row count; with two (32-float panels, 12-row tiles) it
-  ran the body layers 1.0-1.6x faster than the better library at 8-32 rows and at 75-85% of their
-  rate on prompts. oneDNN still wins the 32000-word LM head from 2 rows on.
+  ran the body layers at 0.97-1.56x the better library's rate at 8-32 rows and at 70-85% of it
+  on 2048-row prompts. oneDNN still wins the 32000-word LM head from 2 rows on.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@
  * for the whole k loop; more rows re-read the panel from L2 (k x NB x 4 bytes: 32-180 KiB here).
  * AVX-512 once ran the AVX2 shape, one vector per row: six accumulators, fewer than the FMA
  * units' latency needs in flight, and the kernel reached ~60% of MKL's rate at any row count
- * (Intel Xeon, model 207); at 12 x 32 it matches or beats MKL and oneDNN on the 50M model's
- * layers at 8-32 rows and reaches 75-85% of their rate on prompts. Panels are split across torch's OpenMP team (the
+ * (Intel Xeon, model 207); at 12 x 32 it ran the 50M model's body layers at 0.97-1.56x the
+ * better library's rate at 8-32 rows, and at 70-85% of it on 2048-row prompts. Panels are split across torch's OpenMP team (the
  * library shares torch's runtime, see engine/kernels.py). The last panel is zero-padded, so a
  * width that is not a multiple of NB costs only the padding.
  *
