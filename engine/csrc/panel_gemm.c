@@ -38,12 +38,18 @@
 #endif
 #define MB_ROWS 96 /* rows of x per block (a multiple of MR: no short tile inside a block) */
 
+/* pf: the next panel (or NULL), fetched into L2 a line per panel row as this one is swept, so a
+ * layer whose weights stream from memory (the LM head: 64 MiB) does not wait on each panel. */
 #define MICRO(R)                                                                              \
-    static void micro_##R(const float *x, int64_t ldx, int64_t k, const float *p, float *out) { \
+    static void micro_##R(const float *x, int64_t ldx, int64_t k, const float *p, float *out,  \
+                          const float *pf) {                                                   \
         float acc[R][NB];                                                                     \
         memset(acc, 0, sizeof acc);                                                           \
         for (int64_t t = 0; t < k; ++t) {                                                     \
             const float *w = p + t * NB;                                                      \
+            if (pf) {                                                                         \
+                for (int l = 0; l < NB; l += 16) __builtin_prefetch(pf + t * NB + l, 0, 2);   \
+            }                                                                                 \
             for (int r = 0; r < R; ++r) {                                                     \
                 const float xv = x[r * ldx + t];                                              \
                 _Pragma("omp simd") for (int c = 0; c < NB; ++c) acc[r][c] += xv * w[c];      \
@@ -83,24 +89,26 @@ void panel_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *
             const int64_t j0 = j * NB, nw = n - j0 < NB ? n - j0 : NB;
             float tile[MR * NB];
             for (int64_t i0 = b0; i0 < b1; i0 += MR) {
+                /* the first sweep of a panel fetches the next one this thread will take */
+                const float *pf = i0 == b0 && j + 1 < np ? p + k * NB : NULL;
                 const int r = (int)(b1 - i0 < MR ? b1 - i0 : MR);
                 const float *xi = x + i0 * ldx;
                 switch (r) {
-                case 1: micro_1(xi, ldx, k, p, tile); break;
-                case 2: micro_2(xi, ldx, k, p, tile); break;
-                case 3: micro_3(xi, ldx, k, p, tile); break;
-                case 4: micro_4(xi, ldx, k, p, tile); break;
-                case 5: micro_5(xi, ldx, k, p, tile); break;
+                case 1: micro_1(xi, ldx, k, p, tile, pf); break;
+                case 2: micro_2(xi, ldx, k, p, tile, pf); break;
+                case 3: micro_3(xi, ldx, k, p, tile, pf); break;
+                case 4: micro_4(xi, ldx, k, p, tile, pf); break;
+                case 5: micro_5(xi, ldx, k, p, tile, pf); break;
 #if MR > 6
-                case 6: micro_6(xi, ldx, k, p, tile); break;
-                case 7: micro_7(xi, ldx, k, p, tile); break;
-                case 8: micro_8(xi, ldx, k, p, tile); break;
-                case 9: micro_9(xi, ldx, k, p, tile); break;
-                case 10: micro_10(xi, ldx, k, p, tile); break;
-                case 11: micro_11(xi, ldx, k, p, tile); break;
-                default: micro_12(xi, ldx, k, p, tile); break;
+                case 6: micro_6(xi, ldx, k, p, tile, pf); break;
+                case 7: micro_7(xi, ldx, k, p, tile, pf); break;
+                case 8: micro_8(xi, ldx, k, p, tile, pf); break;
+                case 9: micro_9(xi, ldx, k, p, tile, pf); break;
+                case 10: micro_10(xi, ldx, k, p, tile, pf); break;
+                case 11: micro_11(xi, ldx, k, p, tile, pf); break;
+                default: micro_12(xi, ldx, k, p, tile, pf); break;
 #else
-                default: micro_6(xi, ldx, k, p, tile); break;
+                default: micro_6(xi, ldx, k, p, tile, pf); break;
 #endif
                 }
                 for (int rr = 0; rr < r; ++rr) {
