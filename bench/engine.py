@@ -92,8 +92,8 @@ def bench_prefill(eng, model, lengths, rounds: int) -> dict[int, dict]:
     """Per length, one prompt of ours and one of transformers' back to back, `rounds` times, in
     alternating order. This host's speed flips between two levels (2x apart) from one second to
     the next; the ratio is the median of the pairs', which a flip shifts only when it falls
-    between a pair's two halves. (Each side's best of its own runs, as before, gave 0.95x to
-    1.34x at 512 tokens in three runs of one hour.)"""
+    between a pair's two halves. (Each side's best of its own runs, as before, gave 0.95x and
+    1.34x at 512 tokens in two runs 40 minutes apart.)"""
     for n in lengths:  # warm-up
         prefill_once_ours(eng, n, 99)
         prefill_once_hf(model, n, 99)

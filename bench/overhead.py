@@ -1,7 +1,7 @@
 """Per-token overhead of the serving stack on stories260K, whose compute is negligible, so what
 is measured is the stack itself (issue #10, target 4):
 
-- the engine alone, in this process: seconds per decode step of one stream;
+- the engine alone, in a clean process of its own: seconds per decode step of one stream;
 - the same stream through a 1 prefill + 1 decode cluster (Ray actors), over HTTP streaming:
   inter-token latency as the client sees it; the ratio is what the stack adds. The two alternate,
   ROUNDS times, and the ratio is the median of each round's pair: this host's speed flips

@@ -14,9 +14,9 @@
  * AVX-512 once ran the AVX2 shape, one vector per row: six accumulators, fewer than the FMA
  * units' latency needs in flight, and the kernel reached ~60% of MKL's rate at any row count
  * (Intel Xeon, model 207); at 12 x 32 it ran the 50M model's body layers at 0.97-1.56x the
- * better library's rate at 8-32 rows, and at 70-85% of it on 2048-row prompts. Panels are split across torch's OpenMP team (the
- * library shares torch's runtime, see engine/kernels.py). The last panel is zero-padded, so a
- * width that is not a multiple of NB costs only the padding.
+ * better library's rate at 8-32 rows, and at 70-85% of it on 2048-row prompts. Panels are split
+ * across torch's OpenMP team (the library shares torch's runtime, see engine/kernels.py). The
+ * last panel is zero-padded, so a width that is not a multiple of NB costs only the padding.
  *
  * Prompts: rows go in blocks of MB_ROWS, every panel swept per block, so a block of x (96 x k
  * floats: 192-540 KiB here) stays in cache while the panels stream past it; the weights, a few
@@ -26,15 +26,14 @@
 #include <stdint.h>
 #include <string.h>
 
+/* NB: panel width, two vectors, so MR rows keep 2 x MR accumulators in flight.
+ * MR: rows of x per sweep of a panel, 24 of AVX-512's 32 vector registers, 12 of AVX2's 16. */
 #ifdef __AVX512F__
-#define NB 32 /* panel width: two vectors, so MR rows keep 2 x MR accumulators in flight */
+#define NB 32
+#define MR 12
 #else
-#define NB 16 /* panel width: two AVX2 vectors (one 64-byte cache line of fp32) */
-#endif
-#ifdef __AVX512F__
-#define MR 12 /* rows of x per sweep of a panel: 24 of AVX-512's 32 vector registers */
-#else
-#define MR 6  /* rows of x per sweep of a panel: 12 of AVX2's 16 vector registers */
+#define NB 16
+#define MR 6
 #endif
 #define MB_ROWS 96 /* rows of x per block (a multiple of MR: no short tile inside a block) */
 
