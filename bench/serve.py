@@ -4,7 +4,10 @@ pdserve in any shape, vLLM (`../shared/peer/vllm.sh serve MODEL PORT`), anything
 Per target, through the same client (`pdserve.loadgen`'s HTTP backend, streaming completions
 with token-id prompts, so tokenizers do not matter):
 - single-request TTFT at 128, 512 and 2048 prompt tokens: median over 5 distinct prompts (no
-  prefix hits), one request at a time; single-stream ITL (median) from one 64-token stream;
+  prefix hits), one request at a time, paired: every server is up, each prompt goes to each of
+  them back to back in alternating order, 2 s apart (`single_paired`), and `ttft_vs_first` is
+  the median of the per-prompt ratios to the first target; single-stream ITL (median) from three
+  64-token streams each;
 - a rate sweep of random 512-in / 64-out requests (Poisson, as `vllm bench serve` schedules
   them): TTFT p50/p99, TPOT p50, ITL p99, output tokens/s against the offered rate, and whether
   the target keeps up: output >= 95% of what a server that never queues reaches on the same
@@ -14,8 +17,8 @@ with token-id prompts, so tokenizers do not matter):
 
 Writes bench/out/serve.json and serve.png. Run against running servers:
   .venv/bin/python bench/serve.py --target pdserve=http://127.0.0.1:8000 --target vllm=http://127.0.0.1:8100
-or let it start each server for its turn only (an idle server's threads and daemons slow the
-measured one on a small machine), e.g.:
+or let it start the servers: all of them for the paired single requests, then each alone for its
+rate sweep (an idle server's threads and daemons would slow a loaded one on a small machine), e.g.:
   --target vllm=http://127.0.0.1:8100 --start vllm="../shared/peer/vllm.sh serve MODEL 8100"
   --target colocated=http://127.0.0.1:8001 --start colocated=".venv/bin/python -m pdserve.cli up --config C.yaml"
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import statistics
@@ -36,37 +40,65 @@ OUT = Path(__file__).resolve().parent / "out"
 TTFT_LENS = (128, 512, 2048)
 
 
-async def single(url: str, seed: int) -> dict:
-    """One request at a time: TTFT per prompt length, and one stream's ITL."""
+PAIRS = 5  # prompts per length, each sent to every target
+QUIET_S = 2.0  # between requests: vLLM keeps a core busy for ~1 s after each (its OpenMP threads spin)
+
+
+async def single_paired(urls: dict[str, str], seed: int) -> dict[str, dict]:
+    """`single` for every target at once, all of them up: each prompt goes to every target back to
+    back, the order alternating from prompt to prompt. This host's speed flips between two levels
+    (2x apart) from second to second, so TTFTs measured minutes apart in separate turns compare
+    the host's state as much as the servers; here a flip moves a ratio only when it falls between
+    a pair's requests. `ttft_vs_first` is, per length, the median over prompts of each target's
+    TTFT over the first target's for the same prompt."""
     import numpy as np
 
     from pdserve.loadgen import HttpBackend, Result
 
-    be = HttpBackend(url)
+    names = list(urls)
+    bes = {name: HttpBackend(url) for name, url in urls.items()}
     try:
-        vocab, max_len = await be.info()
+        infos = {name: await be.info() for name, be in bes.items()}
+        vocab = min(v or 32000 for v, _ in infos.values())
+        max_len = min(m for _, m in infos.values())
         rng = np.random.default_rng(seed)
-        vocab = vocab or 32000
 
         def prompt(n: int) -> list[int]:
             return rng.integers(3, vocab, n).tolist()
 
-        await be.run(prompt(16), 2, Result(False, 16))  # warm-up
-        ttft = {}
+        async def one(name: str, tokens: list[int], max_tokens: int) -> Result:
+            res = Result(False, len(tokens))
+            await bes[name].run(tokens, max_tokens, res)
+            await asyncio.sleep(QUIET_S)
+            return res
+
+        for name in names:  # warm-up
+            await one(name, prompt(16), 2)
+        out = {name: {"ttft_s": {}, "ttft_all_s": {}, "ttft_vs_first": {}} for name in names}
         for n in TTFT_LENS:
             if n + 2 > max_len:
                 continue
-            times = []
-            for _ in range(5):
-                res = Result(False, n)
-                await be.run(prompt(n), 2, res)
-                times.append(res.ttft)
-            ttft[n] = statistics.median(times)
-        res = Result(False, 64)
-        await be.run(prompt(64), 64, res)
-        return {"ttft_s": ttft, "itl_s": statistics.median(res.itl) if res.itl else math.nan}
+            times: dict[str, list[float]] = {name: [] for name in names}
+            for i in range(PAIRS):
+                tokens = prompt(n)
+                for name in names if i % 2 == 0 else names[::-1]:
+                    times[name].append((await one(name, tokens, 2)).ttft)
+            for name in names:
+                out[name]["ttft_all_s"][n] = times[name]
+                out[name]["ttft_s"][n] = statistics.median(times[name])
+                out[name]["ttft_vs_first"][n] = statistics.median(
+                    t / f for t, f in zip(times[name], times[names[0]], strict=True))
+        itls: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(3):  # three 64-token streams each, alternating
+            tokens = prompt(64)
+            for name in names if i % 2 == 0 else names[::-1]:
+                itls[name] += (await one(name, tokens, 64)).itl
+        for name in names:
+            out[name]["itl_s"] = statistics.median(itls[name]) if itls[name] else math.nan
+        return out
     finally:
-        await be.close()
+        for be in bes.values():
+            await be.close()
 
 
 async def sweep(url: str, rates: list[float], num_prompts: int, slo_ttft_ms: float, slo_tpot_ms: float,
@@ -118,11 +150,8 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run_target(name: str, url: str, args, rates: list[float], result: dict) -> dict:
-    """Single requests (unless done), then the sweep; the first target's numbers set the SLOs."""
-    t = result["targets"].get(name)
-    if t is None:
-        print(f"{name}: single requests", flush=True)
-        t = result["targets"][name] = asyncio.run(single(url, args.seed))
+    """The rate sweep, after the single requests (single_paired); the first target's numbers set the SLOs."""
+    t = result["targets"][name]
     # 512 tokens, or the longest prompt the model takes when its context is shorter.
     ttft_512 = t["ttft_s"].get(512, max(t["ttft_s"].values()))
     if "slo_ms" not in result:
@@ -213,20 +242,30 @@ def main() -> int:
     result: dict = {"rates": rates, "targets": {}, "started_alone": sorted(starts)}
     if starts and set(starts) != set(targets):
         ap.error("with --start, give one for every target (each server then runs alone)")
-    if starts:  # one server at a time: an idle server's threads and daemons disturb the measured one
+    if starts:
+        # Single requests paired, every server up (idle, each costs the other 1-2% of a core);
+        # then each server's rate sweep alone: an idle server's threads and daemons would share
+        # the cores with a loaded one.
+        print("single requests, paired: " + ", ".join(targets), flush=True)
+        with contextlib.ExitStack() as stack:
+            for name, url in targets.items():
+                stack.enter_context(Server(starts[name], url))
+            result["targets"] = asyncio.run(single_paired(targets, args.seed))
         for name, url in targets.items():
             with Server(starts[name], url):
-                result["targets"][name] = run_target(name, url, args, rates, result)
-    else:  # servers already running: every single-request phase first, then every sweep
-        for name, url in targets.items():
-            print(f"{name}: single requests", flush=True)
-            result["targets"][name] = asyncio.run(single(url, args.seed))
+                run_target(name, url, args, rates, result)
+    else:  # servers already running: the paired single requests, then every sweep
+        print("single requests, paired: " + ", ".join(targets), flush=True)
+        result["targets"] = asyncio.run(single_paired(targets, args.seed))
         for name, url in targets.items():
             run_target(name, url, args, rates, result)
     names = list(targets)
     for name in names:
         t = result["targets"][name]
         ttft = ", ".join(f"{n}: {1e3 * s:.0f} ms" for n, s in t["ttft_s"].items())
+        vs = ", ".join(f"{n}: {r:.2f}x" for n, r in t.get("ttft_vs_first", {}).items())
+        if name != names[0] and vs:
+            ttft += f" (paired, vs {names[0]}: {vs})"
         print(f"{name:10s} TTFT {ttft}; ITL {1e3 * t['itl_s']:.1f} ms; keeps up to {t['max_rate_kept_up']:g} req/s; "
               f"90% SLO attainment up to {t['max_rate_90pct_slo']:g} req/s")
     out = Path(args.out)
