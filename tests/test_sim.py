@@ -15,8 +15,8 @@ from pdcommon.step_cost import StepCostModel
 from pdserve.sim.cluster import Cluster, SimSettings
 from pdserve.sim.command import default_profile, parse_trace
 from pdserve.sim.report import summarize
-from pdserve.sim.search import best_static, run_planner, scale_trace, settings_from
-from pdserve.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, poisson
+from pdserve.sim.search import best_static, run_planner, scale_trace, settings_from, sized_split
+from pdserve.sim.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, bursty, poisson
 from pdserve.sim.workers import run_time, steps_done
 from router.planner import StaticPlanner
 
@@ -238,3 +238,14 @@ def test_pdserve_simulate_cli(tmp_path):
                             text=True, timeout=300)
     assert static.returncode == 0, static.stderr
     assert json.loads((tmp_path / "s.json").read_text())["static"]["split"] == {"prefill": 1, "decode": 2}
+
+
+def test_sized_split_sizes_prefill_for_the_bursts_a_static_split_must_absorb():
+    """`--workers N` and the planner's start come from sized_split: on a bursty load its prefill
+    pool must be about what the best static split needs, not what the same load needs as Poisson
+    arrivals (sized that way, it asked for 3 prefill workers where the best split has 20)."""
+    settings = SimSettings(profile=profile())
+    reqs = bursty(4.0, 1200, 512, 64, cv=8.0, seed=1)
+    sized = sized_split(reqs, settings, 0.9)
+    best = best_static(reqs, settings, 0.9, sized)["split"]
+    assert 0.8 * best["prefill"] <= sized["prefill"] <= 1.25 * best["prefill"], (sized, best)

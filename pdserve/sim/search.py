@@ -61,20 +61,24 @@ def busy_rate(reqs: list[TraceRequest], window_s: float = 60.0, q: float = 0.9) 
 
 
 def sized_split(reqs: list[TraceRequest], settings: SimSettings, target: float) -> dict[str, int]:
-    """The sizing model's split for the trace's busy rate (busy_rate): where the search starts,
-    and how `--workers` turns into a scale factor."""
+    """The sizing model's split for the trace: where the search and the planner start (as an
+    operator deploys from yesterday's load), and how `--workers` turns into a scale factor. The
+    prefill pool replays the trace's own arrivals through the queueing model, as the planner
+    replays its recent ones (router/planner/replay.py); the decode pool is sized at the busy rate
+    (busy_rate). The prefill pool was sized at the busy rate as Poisson arrivals: on the Azure
+    code trace, whose load jumps between 0 and 600 requests a minute, that asked for 44 prefill
+    workers where the best static split has 95, so `--workers 64` loaded 122 workers' worth and
+    the planner began five minutes short."""
     rate = busy_rate(reqs)
     sample = [Arrival(r.prompt_len, r.output_len) for r in random.Random(0).sample(reqs, min(len(reqs), 2048))]
     pm, dm = pool_model(settings)
     per_pool = 1 - (1 - target) / 2
     pt = pm.terms(sample)
     dm.hold_s = pt.service_mean  # decode KV is reserved before the prefill
-    if settings.mode == "colocated":
-        p = pm.prefill_workers(rate, pt, per_pool)
-        d = dm.decode_workers(rate, dm.terms(sample), per_pool)
-        return {"colocated": p + d}
-    return {"prefill": pm.prefill_workers(rate, pt, per_pool),
-            "decode": dm.decode_workers(rate, dm.terms(sample), per_pool)}
+    timed = pm.terms([Arrival(r.prompt_len, r.output_len, 0, r.arrival_s) for r in reqs])
+    p = pm.prefill_workers(timed.own_rate, timed, per_pool) if timed.replay else pm.prefill_workers(rate, pt, per_pool)
+    d = dm.decode_workers(rate, dm.terms(sample), per_pool)
+    return {"colocated": p + d} if settings.mode == "colocated" else {"prefill": p, "decode": d}
 
 
 def simulate(reqs: list[TraceRequest], settings: SimSettings, planner, initial: dict[str, int],
@@ -146,7 +150,7 @@ def best_static(reqs: list[TraceRequest], settings: SimSettings, target: float, 
 def run_planner(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSection,
                 start: dict[str, int] | None = None) -> tuple[SimResult, dict]:
     """The SLA planner in the loop. It starts from `start`, by default the sizing model's split
-    for the trace's busy rate (as an operator deploys from yesterday's load), and moves from
+    for the trace (sized_split: as an operator deploys from yesterday's load), and moves from
     there on what it observes."""
     pm, dm = pool_model(settings)
     planner = SlaPlanner(cfg, pm.profile, dm.profile, chunk=settings.budget)
