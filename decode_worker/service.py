@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class PendingImport:
     reservation: KVReservation
-    arrived: asyncio.Future  # resolves to (header meta, bytes), or raises TransferError
+    arrived: asyncio.Future  # resolves to (header meta, bytes, seconds), or raises TransferError
     attempt: int = 0
     key: bytes = b""  # the reservation's one-time transfer key: only KV signed with it lands
+    opened: float = 0.0  # when its header arrived (monotonic): the transfer's time starts there
 
 
 class DecodeService(wrpc.DecodeWorkerServicer):
@@ -86,7 +87,9 @@ class DecodeService(wrpc.DecodeWorkerServicer):
 
     # KVSink: a streaming receiver calls these as the header and each frame arrive.
     def open(self, header: KVHeader) -> None:
-        check_header(header, self._pending_for(header).reservation)
+        p = self._pending_for(header)
+        p.opened = time.monotonic()
+        check_header(header, p.reservation)
 
     def frame(self, header: KVHeader, index: int, buf: memoryview) -> None:
         self._land(header, index, buf, self._pending_for(header).reservation)
@@ -111,7 +114,11 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             self._aloop.call_soon_threadsafe(_resolve, p.arrived, e)
             return
         rx.ack(True)
-        self._aloop.call_soon_threadsafe(_resolve, p.arrived, (dict(rx.header.meta), rx.header.total_bytes))
+        # The transfer's own time: header in to last frame landed (a transfer delivered whole has
+        # no earlier sign of it than now). Counted from the decode request instead, it held the
+        # prefill as well (the reservation is made before the prompt is computed).
+        took = time.monotonic() - p.opened if p.opened else 0.0
+        self._aloop.call_soon_threadsafe(_resolve, p.arrived, (dict(rx.header.meta), rx.header.total_bytes, took))
 
     # ---- admission (engine thread) ---------------------------------------------------------------
     def _admit_local(self, eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
@@ -211,16 +218,15 @@ class DecodeService(wrpc.DecodeWorkerServicer):
     async def _first_imported(self, rid: str, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext,
                               q: asyncio.Queue):
         """Wait for the KV, commit the sequence; the first message carries the transfer's figures."""
-        t0 = time.monotonic()
         timeout = request.transfer_timeout_s or self.rt.cfg.transfer.timeout_s
         try:
-            meta, nbytes = await asyncio.wait_for(self.pending[rid].arrived, timeout)
+            meta, nbytes, took = await asyncio.wait_for(self.pending[rid].arrived, timeout)
         except TimeoutError:
             await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} did not arrive within {timeout:.1f}s")
         except TransferError as e:
             await context.abort(grpc.StatusCode.DATA_LOSS, f"KV transfer rejected: {e}")
         self.pending.pop(rid, None)
-        kv = {"kv_transfer_s": time.monotonic() - t0, "kv_transfer_bytes": nbytes}
+        kv = {"kv_transfer_s": took, "kv_transfer_bytes": nbytes}
         final = await self.rt.engine_loop.call(self.rt.engine.commit_import, rid, int(meta["first_token"]),
                                                float(meta["first_logprob"]))
         if final is not None:

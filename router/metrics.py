@@ -132,8 +132,8 @@ class RouterMetrics:
                              registry=r)
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY,
                              registry=r)
-        self.kv = Histogram("pdserve:kv_transfer_seconds", "KV transfer prefill -> decode (export, wire, checks, "
-                            "import)", buckets=_LATENCY, registry=r)
+        self.kv = Histogram("pdserve:kv_transfer_seconds", "KV transfer prefill -> decode, from its header's "
+                            "arrival to its last frame landed (wire, checks, landing)", buckets=_LATENCY, registry=r)
         self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes shipped prefill -> decode", registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
