@@ -44,13 +44,19 @@ PAIRS = 5  # prompts per length, each sent to every target
 QUIET_S = 2.0  # between requests: vLLM keeps a core busy for ~1 s after each (its OpenMP threads spin)
 
 
+def _turns(names: list[str], i: int) -> list[str]:
+    """The order of the targets for the i-th prompt: reversed every other one."""
+    return names if i % 2 == 0 else names[::-1]
+
+
 async def single_paired(urls: dict[str, str], seed: int) -> dict[str, dict]:
-    """`single` for every target at once, all of them up: each prompt goes to every target back to
-    back, the order alternating from prompt to prompt. This host's speed flips between two levels
-    (2x apart) from second to second, so TTFTs measured minutes apart in separate turns compare
-    the host's state as much as the servers; here a flip moves a ratio only when it falls between
-    a pair's requests. `ttft_vs_first` is, per length, the median over prompts of each target's
-    TTFT over the first target's for the same prompt."""
+    """Single requests to every target, all of them up: TTFT per prompt length and single-stream
+    ITL. Each prompt goes to every target back to back, the order alternating from prompt to
+    prompt. This host's speed flips between two levels (2x apart) from second to second, so TTFTs
+    measured minutes apart in separate turns compare the host's state as much as the servers;
+    here a flip moves a ratio only when it falls between a pair's requests. `ttft_vs_first` is,
+    per length, the median over prompts of each target's TTFT over the first target's for the
+    same prompt."""
     import numpy as np
 
     from pdserve.loadgen import HttpBackend, Result
@@ -81,7 +87,7 @@ async def single_paired(urls: dict[str, str], seed: int) -> dict[str, dict]:
             times: dict[str, list[float]] = {name: [] for name in names}
             for i in range(PAIRS):
                 tokens = prompt(n)
-                for name in names if i % 2 == 0 else names[::-1]:
+                for name in _turns(names, i):
                     times[name].append((await one(name, tokens, 2)).ttft)
             for name in names:
                 out[name]["ttft_all_s"][n] = times[name]
@@ -91,7 +97,7 @@ async def single_paired(urls: dict[str, str], seed: int) -> dict[str, dict]:
         itls: dict[str, list[float]] = {name: [] for name in names}
         for i in range(3):  # three 64-token streams each, alternating
             tokens = prompt(64)
-            for name in names if i % 2 == 0 else names[::-1]:
+            for name in _turns(names, i):
                 itls[name] += (await one(name, tokens, 64)).itl
         for name in names:
             out[name]["itl_s"] = statistics.median(itls[name]) if itls[name] else math.nan
@@ -234,14 +240,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT / "serve.json"))
     ap.add_argument("--start", action="append", default=[],
-                    help="NAME=COMMAND: start that target's server for its turn only and stop it after")
+                    help="NAME=COMMAND: start that target's server (with all the others for the paired single "
+                    "requests, alone for its rate sweep) and stop it after")
     args = ap.parse_args()
     targets = dict(t.split("=", 1) for t in args.target)
     starts = dict(t.split("=", 1) for t in args.start)
     rates = [float(r) for r in args.rates.split(",")]
     result: dict = {"rates": rates, "targets": {}, "started_alone": sorted(starts)}
     if starts and set(starts) != set(targets):
-        ap.error("with --start, give one for every target (each server then runs alone)")
+        ap.error("with --start, give one for every target (this run starts and stops every server)")
     if starts:
         # Single requests paired, every server up (idle, each costs the other 1-2% of a core);
         # then each server's rate sweep alone: an idle server's threads and daemons would share
