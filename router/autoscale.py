@@ -25,7 +25,8 @@ class PlannerLoop:
         self.arrivals: list[Arrival] = []
         self.finished: list[Finished] = []
         self.prompt_tokens = self.cached_tokens = 0
-        self.failed = 0
+        self.failed = 0  # since the router started: requests refused or failed (pdserve status)
+        self.failed_now = 0  # of those, the ones admitted this interval: misses for the planner
         self.open: dict[int, RequestState] = {}  # the requests in flight, by id(): the backlog is theirs
         self.since = time.monotonic()
         self.last: Decision | None = None
@@ -56,7 +57,8 @@ class PlannerLoop:
 
     def on_fail(self, st: RequestState | None, err: RequestFailed) -> None:
         self.failed += 1
-        if st is not None:
+        if st is not None:  # admitted, then refused or failed (a malformed request never was)
+            self.failed_now += 1
             self.open.pop(id(st), None)
 
     # ---- the loop -----------------------------------------------------------------------------
@@ -80,8 +82,8 @@ class PlannerLoop:
     async def tick(self) -> Decision:
         now = time.monotonic()
         obs = Observation(self.since, now, self.arrivals, self.finished, self.prompt_tokens, self.cached_tokens,
-                          waiting=sum(st.first_sent is None for st in self.open.values()))
-        self.arrivals, self.finished, self.since = [], [], now
+                          waiting=sum(st.first_sent is None for st in self.open.values()), failed=self.failed_now)
+        self.arrivals, self.finished, self.since, self.failed_now = [], [], now, 0
         self.prompt_tokens = self.cached_tokens = 0
         # The pools' targets, not the workers counted now: a worker that registers before its
         # launch call returns would count twice, and a draining one not at all.

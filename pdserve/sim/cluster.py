@@ -87,6 +87,7 @@ class Cluster:
         self.done: list[SimRequest] = []
         self.window_arrivals: list[Arrival] = []
         self.window_finished: list[Finished] = []
+        self.window_failed = 0
         self.window_prompt = self.window_cached = 0
         self.decisions: list[Decision] = []
         self.timeline: list[tuple[float, dict[str, int]]] = []
@@ -218,6 +219,7 @@ class Cluster:
         if req.kv_tokens > self.max_kv:  # no worker can ever hold it: the router refuses it at once
             req.rejected = True
             self.remaining -= 1
+            self.window_failed += 1
             return
         self.window_arrivals.append(Arrival(req.prompt_len, req.output_len, at_s=req.arrival))
         self.queue.append(req)
@@ -382,8 +384,9 @@ class Cluster:
     def _tick(self) -> None:
         start = self.now - self.s.interval_s
         obs = Observation(start, self.now, self.window_arrivals, self.window_finished, self.window_prompt,
-                          self.window_cached, waiting=len(self.queue) + sum(len(w.queue) for w in self.workers))
-        self.window_arrivals, self.window_finished = [], []
+                          self.window_cached, waiting=len(self.queue) + sum(len(w.queue) for w in self.workers),
+                          failed=self.window_failed)
+        self.window_arrivals, self.window_finished, self.window_failed = [], [], 0
         self.window_prompt = self.window_cached = 0
         current = self._counts()
         decision = self.planner.plan(obs, current)

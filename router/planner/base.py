@@ -49,6 +49,9 @@ class Observation:
     # Requests that had arrived and had no first token yet when the interval ended: the backlog
     # a step in load leaves, which a replay starting from an empty queue would not see.
     waiting: int = 0
+    # Requests that ended in the interval with no answer after the router took them (refused as
+    # too big for any worker's KV, failed): misses that `finished` does not hold.
+    failed: int = 0
 
     @property
     def duration_s(self) -> float:
@@ -59,7 +62,10 @@ class Observation:
         return len(self.arrivals) / self.duration_s
 
     def attainment(self) -> float | None:
-        return sum(f.met for f in self.finished) / len(self.finished) if self.finished else None
+        """The share of the requests that ended in the interval that met both SLOs (failed ones
+        missed)."""
+        ended = len(self.finished) + self.failed
+        return sum(f.met for f in self.finished) / ended if ended else None
 
 
 @dataclass(slots=True)
