@@ -1,0 +1,122 @@
+"""How much any planner could save on a trace: a hindsight bound against the best static split.
+
+The trace (scaled as `pdserve simulate --workers N` scales it) is cut into blocks of `--block-s`
+seconds. For each block and each size of one pool (the other held at the best static split's),
+the simulator serves that block's requests alone. Then, with a Lagrange multiplier swept over
+its range, each block takes the size that minimizes workers x hours - multiplier x requests met,
+and the cheapest schedule that meets the target over the whole trace is the bound.
+
+It is optimistic for the planner: it knows every block's arrivals in advance, its workers start
+at once, and each block starts with empty queues (no backlog carried over). A planner that
+reacts to what it observes cannot do better, so a small bound says the trace leaves a planner
+little to win against a static split chosen in hindsight.
+
+Run: .venv/bin/python bench/planner_bound.py --trace ../shared/traces/AzureLLMInferenceTrace_code.csv
+     --workers 64 [--block-s 300] [--vary prefill] [--out bench/out/planner_bound.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pdcommon.config import PlannerSection, PoolLimits  # noqa: E402
+from pdcommon.step_cost import StepCostModel  # noqa: E402
+from pdserve.sim.cluster import SimSettings  # noqa: E402
+from pdserve.sim.command import default_profile, parse_trace  # noqa: E402
+from pdserve.sim.search import best_static, scale_trace, settings_from, simulate, sized_split  # noqa: E402
+from router.planner import StaticPlanner  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "out"
+PLATEAU = 0.999  # a block met this well needs no bigger pool
+
+
+def block_curves(blocks: list[list], settings: SimSettings, vary: str, fixed: dict[str, int], top: int,
+                 ) -> list[dict[int, int]]:
+    """Per block: requests met at each size of the varied pool, served alone by a static split."""
+    step = max(1, top // 40)
+    curves = []
+    for reqs in blocks:
+        met: dict[int, int] = {}
+        for size in range(1, top + 1, step):
+            split = {**fixed, vary: size}
+            _, s = simulate(reqs, settings, StaticPlanner(split), split)
+            met[size] = round(s["attainment"] * len(reqs))
+            if s["attainment"] >= PLATEAU:
+                break
+        curves.append(met)
+    return curves
+
+
+def cheapest(curves: list[dict[int, int]], spans_h: list[float], fixed_size: int, total: int, target: float,
+             ) -> dict | None:
+    """The schedule of fewest worker-hours meeting `target` of `total` requests, over the
+    Lagrange multipliers' range (sizes per block minimizing size x hours - multiplier x met)."""
+    best = None
+    for i in range(1, 4001):
+        lam = i * 1e-4
+        sizes = [min(c, key=lambda n, c=c, h=h: n * h - lam * c[n]) for c, h in zip(curves, spans_h, strict=True)]
+        met = sum(c[n] for c, n in zip(curves, sizes, strict=True))
+        hours = sum((n + fixed_size) * h for n, h in zip(sizes, spans_h, strict=True))
+        if met >= target * total and (best is None or hours < best["worker_hours"]):
+            best = {"attainment": met / total, "worker_hours": hours, "sizes": sizes}
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", required=True, help="a trace file or synthetic load, as for pdserve simulate")
+    ap.add_argument("--workers", type=int, default=64, help="scale the trace to load about this many workers")
+    ap.add_argument("--block-s", type=float, default=300.0, help="how often the hindsight schedule may change")
+    ap.add_argument("--vary", choices=("prefill", "decode"), default="prefill",
+                    help="the pool the schedule sizes; the other stays at the best static split's size")
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--out", default=str(OUT / "planner_bound.json"))
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    unbounded = PoolLimits(max_replicas=1 << 20)
+    planner = PlannerSection(mode="sla", profile=str(default_profile()), prefill=unbounded, decode=unbounded,
+                             target_attainment=args.target)
+    base = SimSettings(profile=StepCostModel.load(default_profile()), decode_profile=None, mode="disaggregated",
+                       budget=2048, routing="prefix_aware", seed=0)
+    settings = settings_from(planner, base)
+    reqs = parse_trace(args.trace)
+    reqs = scale_trace(reqs, args.workers / sum(sized_split(reqs, settings, args.target).values()), 0)
+    static = best_static(reqs, settings, args.target, sized_split(reqs, settings, args.target), cache={})
+    split = static["split"]
+    other = "decode" if args.vary == "prefill" else "prefill"
+    t_first, t_last = reqs[0].arrival_s, reqs[-1].arrival_s
+    n_blocks = int((t_last - t_first) // args.block_s) + 1
+    blocks: list[list] = [[] for _ in range(n_blocks)]
+    for r in reqs:
+        blocks[int((r.arrival_s - t_first) // args.block_s)].append(r)
+    spans_h = [min(args.block_s, t_last - t_first - i * args.block_s) / 3600 for i in range(n_blocks)]
+    kept = [i for i, b in enumerate(blocks) if b]
+    curves = block_curves([blocks[i] for i in kept], settings, args.vary, {other: split[other]},
+                          3 * split[args.vary])
+    bound = cheapest(curves, [spans_h[i] for i in kept], split[other], len(reqs), static["attainment"])
+    # The static split on the same accounting (blocks' spans, no drain after the last arrival).
+    static_h = (split["prefill"] + split["decode"]) * sum(spans_h[i] for i in kept)
+    out = {"trace": args.trace, "workers": args.workers, "block_s": args.block_s, "vary": args.vary,
+           "requests": len(reqs), "best_static": {k: static[k] for k in ("split", "attainment", "worker_hours")},
+           "best_static_block_hours": static_h, "bound": bound,
+           "most_saved": 1 - bound["worker_hours"] / static_h if bound else None,
+           "wall_s": time.perf_counter() - t0}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"best static {split}: {static['attainment']:.1%}, {static_h:.1f} worker-h over the blocks")
+    if bound:
+        print(f"hindsight bound ({args.block_s:.0f} s blocks, {args.vary} varied): {bound['attainment']:.1%} in "
+              f"{bound['worker_hours']:.1f} worker-h, {out['most_saved']:.1%} fewer; sizes {bound['sizes']}")
+    print(f"wrote {path} ({out['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
