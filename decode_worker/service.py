@@ -10,7 +10,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -31,11 +31,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class PendingImport:
+    """A reservation's incoming KV, whole or in parts (decode_worker/kv_import.py), which the
+    receiver's threads (gRPC: several) hand over under `lock`."""
+
     reservation: KVReservation
     arrived: asyncio.Future  # resolves to (header meta, bytes, seconds), or raises TransferError
     attempt: int = 0
     key: bytes = b""  # the reservation's one-time transfer key: only KV signed with it lands
-    opened: float = 0.0  # when its header arrived (monotonic): the transfer's time starts there
+    # When the header of the transfer with the first token arrived (monotonic): the time the
+    # second token waits for starts there (parts before it landed while the prompt was computed).
+    opened: float = 0.0
+    claimed: bytearray = field(default_factory=bytearray)  # per missing block: a part has it
+    landed: int = 0  # blocks of completed transfers
+    nbytes: int = 0
+    meta: dict | None = None  # the header meta with the first token, once that part is complete
+    failed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class DecodeService(wrpc.DecodeWorkerServicer):
@@ -73,13 +84,23 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         if header.meta.get("attempt", 0) != p.attempt:
             # A late transfer of an earlier attempt: refuse it without touching this reservation.
             raise TransferError(f"{rid}: stale transfer of attempt {header.meta.get('attempt')}, expected {p.attempt}")
+        if p.failed:
+            raise TransferError(f"{rid}: an earlier part of this KV failed")
         return p
 
     def _land(self, header: KVHeader, index: int, buf: memoryview, res: KVReservation) -> None:
+        offset = header.first_block - res.num_held_blocks + frame_offset(header, index)
         try:
-            self.rt.engine.land_kv(res, frame_offset(header, index), buf)
+            self.rt.engine.land_kv(res, offset, buf)
         except KVImportError as e:
             raise TransferError(str(e)) from e
+
+    @staticmethod
+    def _check(header: KVHeader, p: PendingImport) -> None:
+        with p.lock:
+            check_header(header, p.reservation, p.claimed)
+            if "first_token" in header.meta:
+                p.opened = time.monotonic()
 
     def transfer_key(self, header: KVHeader) -> bytes:
         """The receiver's key lookup: KV for no open reservation is refused before any check."""
@@ -87,9 +108,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
 
     # KVSink: a streaming receiver calls these as the header and each frame arrive.
     def open(self, header: KVHeader) -> None:
-        p = self._pending_for(header)
-        p.opened = time.monotonic()
-        check_header(header, p.reservation)
+        self._check(header, self._pending_for(header))
 
     def frame(self, header: KVHeader, index: int, buf: memoryview) -> None:
         self._land(header, index, buf, self._pending_for(header).reservation)
@@ -106,19 +125,28 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                 raise TransferError(rx.error)
             if not rx.landed:
                 verify(rx.header, rx.frames)
-                check_header(rx.header, p.reservation)
+                self._check(rx.header, p)
                 for i, buf in enumerate(rx.frames):
                     self._land(rx.header, i, buf, p.reservation)
         except TransferError as e:
+            p.failed = True
             rx.ack(False, str(e))
             self._aloop.call_soon_threadsafe(_resolve, p.arrived, e)
             return
         rx.ack(True)
-        # The transfer's own time: header in to last frame landed (a transfer delivered whole has
-        # no earlier sign of it than now). Counted from the decode request instead, it held the
-        # prefill as well (the reservation is made before the prompt is computed).
-        took = time.monotonic() - p.opened if p.opened else 0.0
-        self._aloop.call_soon_threadsafe(_resolve, p.arrived, (dict(rx.header.meta), rx.header.total_bytes, took))
+        with p.lock:
+            p.landed += rx.header.num_blocks
+            p.nbytes += rx.header.total_bytes
+            if "first_token" in rx.header.meta:
+                p.meta = dict(rx.header.meta)
+            done = p.meta is not None and p.landed == len(p.reservation.missing_block_ids)
+        if done:
+            # The transfer's own time: the last part's header in to every frame landed (a
+            # transfer delivered whole has no earlier sign of it than now). Counted from the
+            # decode request instead, it held the prefill as well (the reservation is made
+            # before the prompt is computed); from the first part, it would hold most of it.
+            took = time.monotonic() - p.opened if p.opened else 0.0
+            self._aloop.call_soon_threadsafe(_resolve, p.arrived, (p.meta, p.nbytes, took))
 
     # ---- admission (engine thread) ---------------------------------------------------------------
     def _admit_local(self, eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
@@ -171,7 +199,8 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             return
         if not local:
             self.pending[rid] = PendingImport(res, self._aloop.create_future(), request.attempt,
-                                              bytes(request.transfer_key))
+                                              bytes(request.transfer_key),
+                                              claimed=bytearray(len(res.missing_block_ids)))
         self.rt.reserved_blocks += blocks
         self.rt.inflight += 1
         finished = False

@@ -40,15 +40,19 @@ class KVCache:
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: str) -> int:
         return KVLayout.of(spec, dtype, block_size).block_nbytes
 
-    def frames(self, block_ids: Sequence[int], max_frame_bytes: int) -> tuple[list[memoryview], list[int]]:
+    def frames(self, block_ids: Sequence[int], max_frame_bytes: int, copy: bool = False,
+               ) -> tuple[list[memoryview], list[int]]:
         """Byte views of the given blocks, one per run of consecutive ids (zero-copy on CPU; a GPU
-        pool is staged through host memory). Valid while the blocks stay allocated."""
+        pool is staged through host memory). Valid while the blocks stay allocated, or for as
+        long as they are held with `copy`."""
         per_frame = max(1, max_frame_bytes // self.layout.block_nbytes)
         views, counts = [], []
         for start, count in block_runs(block_ids, per_frame):
             t = self.data[start:start + count]
             if t.device.type != "cpu":
                 t = t.cpu()
+            elif copy:
+                t = t.clone()
             views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             counts.append(count)
         return views, counts

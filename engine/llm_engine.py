@@ -122,8 +122,15 @@ class LLMEngine:
         return seq
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    prefill_only: bool = False, resume: Seq[int] = ()) -> str:
+                    prefill_only: bool = False, resume: Seq[int] = (), stream_kv_from: int | None = None,
+                    max_frame_bytes: int = 4 << 20) -> str:
+        """`stream_kv_from` (prefill-only): export the KV from this block on as the prompt is
+        computed, on the outputs (`kv_part`): each chunk's completed blocks as it finishes, and
+        the rest with the first token. A prefill worker ships the parts while later chunks are
+        computed, and has them without a call to this thread, which a running step would hold."""
         seq = self._new_seq(request_id, prompt, params, prefill_only, resume)
+        if prefill_only and stream_kv_from is not None:
+            seq.kv_stream = (stream_kv_from, max_frame_bytes)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -167,8 +174,15 @@ class LLMEngine:
         if self.config.emulate_device_s_per_token:  # device emulation (EngineConfig): a slower chip
             time.sleep(self.config.emulate_device_s_per_token * sum(i.num_new_tokens for i in batch.scheduled))
         for item in batch.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-            self.bm.cache_full_blocks(item.seq)
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.bm.cache_full_blocks(seq)
+            if seq.kv_stream is not None and seq.num_computed_tokens < len(seq.token_ids):  # a chunk, no token
+                part = self._export_chunk(seq)
+                if part is not None:
+                    out = self._output(seq, [], [], "")
+                    out.kv_part = part
+                    outputs.append(out)
         for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops, strict=True):
             out = self._append_token(seq, tok, lp)
             out.new_top_logprobs = [top]
@@ -202,6 +216,8 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.PREFILLED
         out = self._output(seq, [tok], [lp], text)
+        if seq.kv_stream is not None and seq.status is SequenceStatus.PREFILLED:
+            out.kv_part = self.export_kv(seq.request_id, *seq.kv_stream)
         if first and seq.first_scheduled_time is not None:
             out.prefill_s = seq.first_token_time - seq.first_scheduled_time
         return out
@@ -239,13 +255,27 @@ class LLMEngine:
         if seq is None or seq.status is not SequenceStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV to export")
         prompt = seq.token_ids[:-1]  # every token whose KV is computed (a resumed request's outputs too)
+        return self._export(seq, prompt, skip_blocks, self.bm.blocks_needed(len(prompt)), max_frame_bytes,
+                            (seq.token_ids[-1], seq.output_logprobs[-1]))
+
+    def _export_chunk(self, seq: Sequence) -> KVExport | None:
+        """The full blocks a prompt chunk completed since the last one's, as copies: a sequence
+        still prefilling can be preempted, and its blocks reused before a zero-copy frame left."""
+        start, frame_bytes = seq.kv_stream
+        full = seq.num_computed_tokens // self.bm.block_size
+        if full <= start:
+            return None
+        seq.kv_stream = (full, frame_bytes)
+        return self._export(seq, seq.token_ids[:full * self.bm.block_size], start, full, frame_bytes, (-1, 0.0),
+                            copy=True)
+
+    def _export(self, seq: Sequence, prompt: list[int], first: int, end: int, max_frame_bytes: int,
+                token: tuple[int, float], copy: bool = False) -> KVExport:
         bs = self.bm.block_size
         hashes = hash_blocks(prompt, bs, seq.block_hashes[:len(prompt) // bs])
-        n_blocks = self.bm.blocks_needed(len(prompt))
-        frames, counts = self.kv.frames(seq.block_table[skip_blocks:n_blocks], max_frame_bytes)
-        shipped = [hashes[i] if i < len(hashes) else None for i in range(skip_blocks, n_blocks)]
-        return KVExport(request_id, prompt, self.kv.layout, skip_blocks, shipped, frames, counts,
-                        seq.token_ids[-1], seq.output_logprobs[-1])
+        frames, counts = self.kv.frames(seq.block_table[first:end], max_frame_bytes, copy=copy)
+        shipped = [hashes[i] if i < len(hashes) else None for i in range(first, end)]
+        return KVExport(seq.request_id, prompt, self.kv.layout, first, shipped, frames, counts, *token)
 
     def release(self, request_id: str) -> None:
         """Drop a prefilled request once its KV has been shipped; its blocks stay in the prefix cache."""

@@ -26,6 +26,10 @@ class RequestOutput:
     # On the output that carries a sequence's first sampled token: seconds from its first
     # scheduling to that token (0 otherwise), so a server needs no second call to learn it.
     prefill_s: float = 0.0
+    # A request streaming its KV (LLMEngine.add_request's stream_kv_from): what this step made
+    # ready to ship. A chunk's output (no tokens) carries the blocks it completed, as copies; the
+    # first token's output carries the rest, zero-copy, valid until `release`.
+    kv_part: KVExport | None = None
 
 
 @dataclass(slots=True)
@@ -40,7 +44,7 @@ class KVExport:
     block_hashes: list[int | None]  # one per shipped block; None for a trailing partial block
     frames: list[memoryview]
     blocks_per_frame: list[int]
-    first_token: int
+    first_token: int  # -1 in a part exported while the prompt is still being computed
     first_logprob: float
 
     @property

@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 # prefill chunk, while long prompts, whose prefill would stall every stream there, go to the
 # pool. The value bench/disagg_vs_colocated.py measured (issue 10, item 2).
 DEFAULT_LOCAL_PREFILL_TOKENS = 256
+# engine.prefill_chunk_size of the prefill pool when unset and the KV streams (TransferSection):
+# a long prompt is computed in chunks of this many tokens, and each chunk's KV ships while the
+# next is computed. On this machine a 2048-token prefill took 0.94-1.0x as long in 512-token
+# chunks (engine alone, paired).
+PREFILL_POOL_CHUNK = 512
+STREAM_MIN_BYTES = 1 << 20  # transfer.stream_min_bytes where it is on by default
 
 
 class _Strict(BaseModel):
@@ -153,6 +159,14 @@ class TransferSection(_Strict):
     curve: bool = False
     # Transfers one sending peer may have open at a receiver at once (the rest are refused).
     max_transfers_per_peer: int = Field(64, ge=1)
+    # A prompt computed in chunks ships its KV while the later chunks are computed: a part each
+    # time this many bytes of full blocks are ready, so that only the last chunk's KV is left
+    # between the first token and the second. 0: the whole KV after the first token. Unset: on
+    # (1 MiB) where the engine computes on a GPU, off on CPU. There the transfer's copies and
+    # checksums take the cores the prefill computes on: on this 2-core machine a 2048-token
+    # prompt's second token came 2.0x the ITL after its first instead of 3-4.9x, but its TTFT
+    # grew 15-18% (bench/transfer.py --only ttft pairs the two).
+    stream_min_bytes: int | None = Field(None, ge=0)
 
 
 class HeartbeatSection(_Strict):
@@ -339,7 +353,18 @@ class ClusterConfig(_Strict):
         return self
 
     def engine_config(self, role: str) -> EngineConfig:
-        return EngineConfig(model=self.model, **{**self.engine.model_dump(), **self.pool(role).engine.set_values()})
+        values = {**self.engine.model_dump(), **self.pool(role).engine.set_values()}
+        if role == "prefill" and values.get("prefill_chunk_size") is None and self.kv_stream_min_bytes:
+            values["prefill_chunk_size"] = PREFILL_POOL_CHUNK
+        return EngineConfig(model=self.model, **values)
+
+    @property
+    def kv_stream_min_bytes(self) -> int:
+        """transfer.stream_min_bytes, its default resolved (0: the KV does not stream)."""
+        if self.transfer.stream_min_bytes is not None:
+            return self.transfer.stream_min_bytes
+        device = self.prefill.engine.set_values().get("device", self.engine.device)
+        return 0 if device == "cpu" else STREAM_MIN_BYTES
 
     def pool(self, role: str) -> PoolSection:
         return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[role]

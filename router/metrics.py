@@ -133,7 +133,9 @@ class RouterMetrics:
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY,
                              registry=r)
         self.kv = Histogram("pdserve:kv_transfer_seconds", "KV transfer prefill -> decode, from its header's "
-                            "arrival to its last frame landed (wire, checks, landing)", buckets=_LATENCY, registry=r)
+                            "arrival to its last frame landed (wire, checks, landing); for KV streamed in parts "
+                            "while the prompt was computed, the last part's, which the second token waits for",
+                            buckets=_LATENCY, registry=r)
         self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes shipped prefill -> decode", registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
