@@ -164,8 +164,8 @@ class TransferSection(_Strict):
     # between the first token and the second. 0: the whole KV after the first token. Unset: on
     # (1 MiB) where the engine computes on a GPU, off on CPU. There the transfer's copies and
     # checksums take the cores the prefill computes on: on this 2-core machine a 2048-token
-    # prompt's second token came 2.0x the ITL after its first instead of 3-4.9x, but its TTFT
-    # grew 15-18% (bench/transfer.py --only ttft pairs the two).
+    # prompt's second token came 1.8-2.0x the ITL after its first instead of 2.5-4.9x, but its
+    # TTFT grew 15-24% (bench/transfer.py --only ttft pairs the two).
     stream_min_bytes: int | None = Field(None, ge=0)
 
 

@@ -5,9 +5,10 @@ The router hears the first token from here and nothing else: the decode worker i
 that reports whether the KV arrived (its stream fails on a bad or missing transfer).
 
 A prompt computed in chunks ships its KV in parts as the chunks finish (transfer.stream_min_bytes),
-each an ordinary transfer; the last one, after the first token, carries that token. Between the
-first token and the second there is then only the last chunk's KV on the wire, not the prompt's:
-a 2048-token prompt's 32 MiB took 19 ms there on this machine."""
+each an ordinary transfer; the last one carries the first token and leaves just before that
+token goes to the router. Between the first token and the second there is then only the last
+chunk's KV on the wire, not the prompt's (a 2048-token prompt's 32 MiB took 19 ms there on this
+machine, its last 512-token chunk's 3-8 ms)."""
 
 from __future__ import annotations
 
