@@ -15,6 +15,10 @@ over repetitions of each back-to-back pair's ratio. The costs of
 encryption are reported, not targeted: ZeroMQ with CURVE and the gRPC transport over mutual TLS,
 each against its own plain run.
 
+Same host (`shm` rows): the sender's pool in shared memory, as a prefill worker's is with
+transfer.shared_memory; the receiver maps it on the first transfer (bytes, not timed) and then
+takes every frame by reference (transfer/shared_memory.py), checksums and tags as on the wire.
+
 Baselines in the same run: raw ZeroMQ (above) and a raw gRPC client stream of the same bytes in
 the gRPC transport's 4 MiB chunks, read and dropped (`vs_raw_grpc` for the gRPC rows).
 
@@ -42,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 OUT = Path(__file__).resolve().parent / "out"
 SIZES_MIB = [1, 16, 256]
-ONLY_ROWS = {"zmq", "grpc", "curve", "tls", "ttft"}  # what --only may name
+ONLY_ROWS = {"zmq", "grpc", "curve", "tls", "shm", "ttft"}  # what --only may name
 BLOCK_SHAPE = (8, 2, 16, 4, 64)  # layers, K/V, block_size, kv_heads, head_dim of the 50M model
 BLOCK_SIZE = 16
 
@@ -54,8 +58,9 @@ def _frame_bytes() -> int:
 
 
 
-def make_pool(num_blocks: int, fill: bool):
-    """A KV pool with the 50M model's block geometry, behind the engine's own seam (KVCache)."""
+def make_pool(num_blocks: int, fill: bool, shared: bool = False):
+    """A KV pool with the 50M model's block geometry, behind the engine's own seam (KVCache);
+    `shared`: in a memfd, as a prefill worker's is with transfer.shared_memory."""
     import numpy as np
     import torch
 
@@ -64,7 +69,7 @@ def make_pool(num_blocks: int, fill: bool):
 
     layers, _, bs, kv_heads, head_dim = BLOCK_SHAPE
     spec = ModelSpec("LlamaForCausalLM", 32000, 512, 1408, layers, 8, kv_heads, head_dim, 1e-6, 4096, False)
-    kv = KVCache(spec, num_blocks, bs, "float32", torch.device("cpu"))
+    kv = KVCache(spec, num_blocks, bs, "float32", torch.device("cpu"), shared=shared)
     if fill:
         rng = np.random.default_rng(0)
         step = 256
@@ -259,7 +264,8 @@ def _reps(mib: int, reps: int) -> int:
 
 
 def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = "plain") -> list[dict]:
-    """variant: plain (security off and token, interleaved), curve (zmq) or tls (grpc), token only."""
+    """variant: plain (security off and token, interleaved), curve (zmq), tls (grpc) or shm (zmq from
+    a pool in shared memory, which the receiver maps: frames by reference), token only."""
     import zmq
 
     from engine import KVExport
@@ -267,7 +273,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     from transfer import SenderLoop, TransferState, make_sender
 
     max_blocks = max(sizes) * (1 << 20) // (4 * 8 * 2 * 16 * 4 * 64)
-    kv = make_pool(max_blocks, fill=True)
+    kv = make_pool(max_blocks, fill=True, shared=variant == "shm")
     block_nbytes = kv.layout.block_nbytes
     ctx = mp.get_context("spawn")
     addr_q, ctrl_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
@@ -326,6 +332,8 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     tls = tls_credentials(certs_dir)
     sender = make_sender(transport, curve=variant == "curve", channel_credentials=tls.get("channel_credentials"),
                          channel_options=tls.get("channel_options"))
+    if variant == "shm" and not sender.share(kv.shared_fd, kv.memory()):
+        raise RuntimeError("this sender cannot share its pool")
     shipper = SenderLoop(sender)
     modes = ("off", "token") if variant == "plain" else ("token",)
     export_times: dict[str, float] = {}
@@ -357,6 +365,9 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     proc.join(30)
     shipper.close()
     sender.close()
+    by_reference = getattr(sender, "bytes_by_reference", 0)
+    if variant == "shm" and not by_reference:
+        raise RuntimeError("shm rows: no frame went by reference")
     for size, mode in ((s, m) for s in sizes for m in modes):
         n = size * (1 << 20) // block_nbytes
         rid = min((f"{transport}-{variant}-{mode}-{size}-{r}" for r in range(1, _reps(size, reps) + 1)),
@@ -364,9 +375,10 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
         t = totals[rid]
         land = recv[rid]["check_and_land_s"]
         streamed = recv[rid].get("streamed", False)
-        security = {"plain": mode, "curve": "token+curve", "tls": "token+mtls"}[variant]
+        security = {"plain": mode, "curve": "token+curve", "tls": "token+mtls", "shm": "token+shm"}[variant]
         rows.append({"transport": transport, "security": security, "mib": size, "seconds": t,
                      "gb_per_s": n * block_nbytes / t / 1e9, "streamed": streamed, "cpu_ms_per_transfer": cpu_ms[size],
+                     **({"bytes_by_reference_all_sizes": by_reference} if variant == "shm" else {}),
                      # Streamed (zmq): checksums and landing overlap the wire, so the parts overlap too.
                      "breakdown_s": {"pack": export_times[rid], "check_and_land": land,
                                      "wire_and_ack": t - export_times[rid] - (0.0 if streamed else land)}})
@@ -413,19 +425,23 @@ def ttft_split(quick: bool) -> list[dict]:
 
     path = build_bench_model()
     # Streamed: the prefill pool's default 512-token chunks, each one's KV shipped while the next
-    # is computed (transfer.stream_min_bytes); whole: one chunk, the KV after the first token.
-    kinds = {"streamed": 1 << 20, "whole": 0}
+    # is computed (transfer.stream_min_bytes); whole: one chunk, the KV after the first token,
+    # from the prefill pool's shared memory (transfer.shared_memory, the default) or over the socket.
+    kinds = {"streamed": {"transfer.stream_min_bytes": 1 << 20, "transfer.shared_memory": False},
+             "whole": {"transfer.stream_min_bytes": 0},
+             "whole_socket": {"transfer.stream_min_bytes": 0, "transfer.shared_memory": False}}
     samples: dict[tuple[str, int], list[dict]] = {}
     with ExitStack() as stack:
         clients = {}
-        for kind, stream in kinds.items():
+        for kind, overrides in kinds.items():
             cfg = load_config(None, **{"model": str(path), "router.port": 0, "router.http_port": None,
                                        "engine.num_threads": 2, "engine.max_num_batched_tokens": 4096,
                                        "engine.kv_cache_memory_bytes": 512 << 20, "heartbeat.interval_s": 1.0,
-                                       "transfer.stream_min_bytes": stream})
+                                       **overrides})
             cluster = stack.enter_context(InProcessCluster(cfg))
             clients[kind] = stack.enter_context(RouterClient(cluster.address))
-            clients[kind].generate(make_request(random_prompt(64, seed=1), max_tokens=2))  # warm-up
+            for w in range(2):  # warm-up (the first maps the prefill pool where shared)
+                clients[kind].generate(make_request(random_prompt(64, seed=1 + w), max_tokens=2))
         for n in (128, 2048):
             for r in range(3 if quick else 5):
                 for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
@@ -501,7 +517,8 @@ def main() -> int:
     reps = 2 if args.quick else 3
     result: dict = {"throughput": [], "ttft": []}
     for transport, variant, name in (("raw", "plain", ""), ("raw_grpc", "plain", ""), ("zmq", "plain", "zmq"),
-                                     ("grpc", "plain", "grpc"), ("zmq", "curve", "curve"), ("grpc", "tls", "tls")):
+                                     ("grpc", "plain", "grpc"), ("zmq", "curve", "curve"), ("grpc", "tls", "tls"),
+                                     ("zmq", "shm", "shm")):
         if not only or not name or name in only:
             result["throughput"] += bench_transport(transport, SIZES_MIB, reps, variant)
     raw = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_zmq"}

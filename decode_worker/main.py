@@ -20,7 +20,7 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
         receiver = make_receiver(t.transport, host=pool.host, port=pool.transfer_port,
                                  advertise_host=pool.advertise_host, sink=service, partial_timeout_s=t.timeout_s,
                                  max_frame_bytes=t.max_frame_bytes, keys=service.transfer_key, curve=t.curve,
-                                 max_per_peer=t.max_transfers_per_peer,
+                                 max_per_peer=t.max_transfers_per_peer, shared_memory=t.shared_memory,
                                  server_credentials=rt.identity.transfer_credentials().get("server_credentials"))
         rt.transfer_address = receiver.address
         rt.transfer_public_key = getattr(receiver, "public_key", "")

@@ -50,6 +50,10 @@ class EngineConfig:
     # grows with its replicas, so the planner's live test can see more workers help. Never for
     # serving.
     emulate_device_s_per_token: float = 0.0
+    # CPU: keep the KV pool in shared memory (a memfd) that a KV receiver on this host may map and
+    # land blocks from directly (transfer/shared_memory.py). Set for prefill workers by
+    # transfer.shared_memory; no cost to the engine's own steps.
+    kv_shared_memory: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:

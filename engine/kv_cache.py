@@ -8,6 +8,8 @@ and import go through `frames` and `land`, and nothing outside engine/ touches `
 
 from __future__ import annotations
 
+import mmap
+import os
 import warnings
 from collections.abc import Sequence
 
@@ -28,13 +30,41 @@ def block_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int
 
 
 class KVCache:
-    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: str, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: str, device: torch.device,
+                 shared: bool = False) -> None:
+        """`shared` (CPU): the pool lives in a memfd that other processes of this host may map
+        (`shared_fd`), so that a KV transport can hand them blocks without copying them out."""
         from engine.loader import DTYPES
 
         self.num_blocks, self.block_size = num_blocks, block_size
         self.layout = KVLayout.of(spec, dtype, block_size)
-        self.data = torch.zeros((num_blocks, *self.layout.block_shape), dtype=DTYPES[dtype], device=device)
+        shape = (num_blocks, *self.layout.block_shape)
+        self.shared_fd: int | None = None
+        if shared and device.type == "cpu" and hasattr(os, "memfd_create"):
+            self.data = self._shared_zeros(shape, DTYPES[dtype])
+        else:
+            self.data = torch.zeros(shape, dtype=DTYPES[dtype], device=device)
         self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(spec.num_layers)]
+
+    def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = self.num_blocks * self.layout.block_nbytes
+        fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)  # zero-filled, as torch.zeros
+            # Populated now, as torch.zeros touches its pages: a shared page's first touch costs a
+            # fault, and a 2048-token prefill writing 32 MiB of fresh blocks took ~12% longer.
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError:
+            os.close(fd)
+            raise
+        self.shared_fd = fd
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._mmap, dtype=dtype).view(shape)
+
+    def memory(self) -> memoryview:
+        """The whole pool's bytes (CPU only)."""
+        return memoryview(self.data.view(-1).view(torch.uint8).numpy())
 
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: str) -> int:

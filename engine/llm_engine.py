@@ -61,7 +61,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block "
                              f"({per_block} bytes each)")
-        self.kv = KVCache(self.spec, num_blocks, config.block_size, config.dtype, self.device)
+        self.kv = KVCache(self.spec, num_blocks, config.block_size, config.dtype, self.device,
+                          shared=config.kv_shared_memory)
         self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.bm)
         self.runner = ModelRunner(self.model, self.kv, self.device)
@@ -247,6 +248,12 @@ class LLMEngine:
     @property
     def kv_layout(self) -> KVLayout:
         return self.kv.layout
+
+    def shared_kv_memory(self) -> tuple[int, memoryview] | None:
+        """(memfd, the pool's bytes) when the pool is in shared memory (kv_shared_memory), else
+        None: what a KV sender may offer to receivers on this host. Exported frames are views
+        into it."""
+        return None if self.kv.shared_fd is None else (self.kv.shared_fd, self.kv.memory())
 
     def export_kv(self, request_id: str, skip_blocks: int = 0, max_frame_bytes: int = 4 << 20) -> KVExport:
         """The prefilled request's KV from block `skip_blocks` on, as frames over its pool blocks;

@@ -167,6 +167,11 @@ class TransferSection(_Strict):
     # prompt's second token came 1.8-2.0x the ITL after its first instead of 2.5-4.9x, but its
     # TTFT grew 15-24% (bench/transfer.py --only ttft pairs the two).
     stream_min_bytes: int | None = Field(None, ge=0)
+    # zmq, workers on one host: the prefill worker's KV pool lives in shared memory (a memfd), and
+    # a decode worker that can map it takes the KV's frames by reference and lands them from
+    # there (transfer/shared_memory.py): one copy, no socket. Checksums and transfer keys apply as
+    # on the wire. Other hosts, other PID namespaces (a pod each) and GPU pools use the socket.
+    shared_memory: bool = True
 
 
 class HeartbeatSection(_Strict):
@@ -356,6 +361,9 @@ class ClusterConfig(_Strict):
         values = {**self.engine.model_dump(), **self.pool(role).engine.set_values()}
         if role == "prefill" and values.get("prefill_chunk_size") is None and self.kv_stream_min_bytes:
             values["prefill_chunk_size"] = PREFILL_POOL_CHUNK
+        if role == "prefill" and self.mode == "disaggregated":
+            values["kv_shared_memory"] = values.get("kv_shared_memory") or (
+                self.transfer.shared_memory and self.transfer.transport == "zmq")
         return EngineConfig(model=self.model, **values)
 
     @property

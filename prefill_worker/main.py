@@ -18,8 +18,15 @@ async def serve(cfg: ClusterConfig, worker_id: str, router_address: str, stop: a
                          channel_credentials=tls.get("channel_credentials"), channel_options=tls.get("channel_options"))
     service = PrefillService(rt, sender)
     rt.service = service
+
+    def add(server) -> None:  # the engine is up: its KV pool may be offered before any request
+        memory = rt.engine.shared_kv_memory()
+        if memory is not None:
+            sender.share(*memory)
+        add_to_server(server, service)
+
     try:
-        await rt.run(lambda server: add_to_server(server, service), stop, started)
+        await rt.run(add, stop, started)
     finally:
         service.close()
         sender.close()

@@ -100,6 +100,12 @@ class KVSender(abc.ABC):
     def poll(self) -> None:
         """Advance every open handle without blocking (acks, errors, timeouts)."""
 
+    def share(self, fd: int, memory: memoryview) -> bool:
+        """Offer `memory` (mapped from the memfd `fd`; a worker's KV pool) to receivers on this
+        host: frames inside it may then travel by reference (transfer/shared_memory.py). Call
+        before the first send. False where the transport or the memory cannot."""
+        return False
+
     def abandon(self, handle: TransferHandle) -> None:
         """The caller no longer waits for this transfer (its request was cancelled)."""
         handle.advance(TransferState.FAILED, "abandoned by the sender")

@@ -36,14 +36,16 @@ def make_sender(name: str, curve: bool = False, channel_credentials=None, channe
 def make_receiver(name: str, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                   sink: KVSink | None = None, partial_timeout_s: float | None = None,
                   max_frame_bytes: int | None = None, keys: KeyLookup | None = None, curve: bool = False,
-                  max_per_peer: int | None = None, server_credentials=None) -> KVReceiver:
+                  max_per_peer: int | None = None, server_credentials=None, shared_memory: bool = True) -> KVReceiver:
     """`sink` is used by transports that stream frames (zmq, grpc); the others deliver whole transfers.
     `partial_timeout_s`: how long a streaming receiver keeps a transfer whose frames stopped.
-    `keys`: the transfer key of a header's reservation; with it, unsigned KV is refused."""
+    `keys`: the transfer key of a header's reservation; with it, unsigned KV is refused.
+    `shared_memory` (zmq): map same-host senders' offered memory and take frames by reference."""
     kwargs: dict = {"keys": keys}
     if name == "zmq":
         kwargs.update({k: v for k, v in (("sink", sink), ("partial_timeout_s", partial_timeout_s),
-                                         ("max_per_peer", max_per_peer)) if v is not None}, curve=curve)
+                                         ("max_per_peer", max_per_peer)) if v is not None}, curve=curve,
+                      shared_memory=shared_memory)
         if max_frame_bytes is not None:
             kwargs["max_message_bytes"] = max_frame_bytes + (1 << 20)
     elif name == "grpc":

@@ -46,6 +46,9 @@ class KVHeader:
     meta: dict[str, Any] = field(default_factory=dict)  # small per-request values (first token...)
     # Unique per attempt: a late acknowledgement of an earlier attempt never settles a retry.
     transfer_id: str = ""
+    # Set by a transport that offers same-host memory (transfer/shared_memory.py): {"offer": the
+    # region, "refs": whether this transfer's frames are references into it}.
+    shared: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -66,7 +69,7 @@ class KVHeader:
             "v": WIRE_VERSION, "rid": self.request_id, "dtype": self.dtype, "shape": self.block_shape,
             "bnb": self.block_nbytes, "hashes": self.block_hashes, "first": self.first_block,
             "frames": [[f.num_blocks, f.nbytes, f.checksum] for f in self.frames], "meta": self.meta,
-            "tid": self.transfer_id,
+            "tid": self.transfer_id, **({"shm": self.shared} if self.shared else {}),
         })
 
     @classmethod
@@ -78,7 +81,8 @@ class KVHeader:
             if d.get("v") != WIRE_VERSION:
                 raise TransferError(f"wire version {d.get('v')!r}, expected {WIRE_VERSION}")
             return cls(d["rid"], d["dtype"], list(d["shape"]), int(d["bnb"]), list(d["hashes"]), int(d["first"]),
-                       [FrameInfo(*f) for f in d["frames"]], dict(d.get("meta") or {}), str(d.get("tid", "")))
+                       [FrameInfo(*f) for f in d["frames"]], dict(d.get("meta") or {}), str(d.get("tid", "")),
+                       dict(d.get("shm") or {}))
         except TransferError:
             raise
         except Exception as e:  # malformed msgpack or missing keys

@@ -8,13 +8,18 @@ message each way, where a message more cost ~0.15 ms of wake-ups on both ends of
 With a key lookup the receiver checks each tag (wire.header_tag / frame_tag) before
 the message may touch anything, so KV that is not signed with its reservation's one-time key is
 refused without landing, and cannot fail the reservation either. Opt-in CURVE encrypts the
-connection (the receiver's public key travels with the worker's registration)."""
+connection (the receiver's public key travels with the worker's registration).
+
+On one host, frames inside memory the sender shares (`share`: the prefill worker's KV pool) go
+as references into it once the receiver has said it can map that memory: see
+transfer/shared_memory.py. The messages, checks and acknowledgements are the same."""
 
 from __future__ import annotations
 
 import collections
 import hmac
 import itertools
+import logging
 import os
 import struct
 import threading
@@ -27,6 +32,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState
+from transfer.shared_memory import RegionMaps, SharedRegion, offer_key
 from transfer.wire import (
     KeyLookup,
     KVHeader,
@@ -48,6 +54,7 @@ MAX_MESSAGE_BYTES = (16 << 20) + (1 << 20)  # one frame (transfer.max_frame_byte
 MAX_PER_PEER = 64  # transfers one connected sender may hold open at a receiver
 HEADER, FRAME = b"H", b"F"  # a transfer is one header message, then one message per frame
 _INDEX = struct.Struct("<IQ")  # a frame's index and xxh3 digest
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -59,6 +66,7 @@ class _Incoming:
     frames: list = field(default_factory=list)
     received: int = 0
     error: str = ""
+    mapped: bool | None = None  # the sender's offered memory: mapped here (None: none offered)
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -84,6 +92,23 @@ class ZmqSender(KVSender):
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller: zmq.Poller | None = None  # over the peer sockets and the wake pipe; rebuilt when they change
+        self.region: SharedRegion | None = None  # memory offered to same-host receivers (share)
+        self.peer_maps: dict[str, bool] = {}  # per destination: whether it maps the region (from its acks)
+        self.bytes_by_reference = 0  # frames' bytes that went as references, not over the socket
+
+    def share(self, fd: int, memory: memoryview) -> bool:
+        self.region = SharedRegion.of(fd, memory)
+        return self.region is not None
+
+    def _references(self, dest: str, header: KVHeader, frames: Sequence[memoryview]) -> list[bytes] | None:
+        """The frames as references when the receiver maps the region and all lie in it; the
+        offer rides in the header until the receiver has said whether it can map it."""
+        if self.region is None or self.peer_maps.get(dest) is False:
+            return None
+        refs = [self.region.ref(f) for f in frames] if self.peer_maps.get(dest) else []
+        use = bool(refs) and all(r is not None for r in refs)
+        header.shared = {"offer": self.region.offer(), "refs": use}
+        return refs if use else None
 
     def _socket(self, dest: str, peer_key: str = "") -> zmq.Socket:
         self.last_used[dest] = time.monotonic()
@@ -131,6 +156,7 @@ class ZmqSender(KVSender):
         try:
             sock = self._socket(dest, peer_key)
             sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
+            refs = self._references(dest, header, frames)
             raw = header.encode()
             opening = [HEADER, raw, header_tag(key, raw)]
             # One message per frame, each with its own checksum (and tag) computed just before it
@@ -138,7 +164,8 @@ class ZmqSender(KVSender):
             for i, frame in enumerate(frames):
                 digest = header.frames[i].checksum or checksum(frame)
                 header.frames[i].checksum = digest
-                parts = [_INDEX.pack(i, digest), frame_tag(key, header.transfer_id, i, digest), frame]
+                parts = [_INDEX.pack(i, digest), frame_tag(key, header.transfer_id, i, digest),
+                         refs[i] if refs else frame]
                 sock.send_multipart([*opening, *parts] if i == 0 else [FRAME, tid, *parts], copy=False)
             if not frames:
                 sock.send_multipart(opening, copy=False)
@@ -151,6 +178,8 @@ class ZmqSender(KVSender):
             self._drop_socket(dest)
             return handle
         handle.advance(TransferState.SENT)
+        if refs:
+            self.bytes_by_reference += header.total_bytes
         self.open[header.transfer_id] = handle
         return handle
 
@@ -167,6 +196,10 @@ class ZmqSender(KVSender):
                 except Exception:
                     continue  # a garbled ack cannot be matched; the timeout will fail the transfer
                 if handle is not None:
+                    if "shm" in ack and self.peer_maps.get(handle.dest) is not bool(ack["shm"]):
+                        self.peer_maps[handle.dest] = bool(ack["shm"])
+                        log.info("KV to %s goes %s", handle.dest, "through shared memory" if ack["shm"]
+                                 else "over the socket (the receiver cannot map this sender's memory)")
                     ok = bool(ack.get("ok"))
                     handle.advance(TransferState.DONE if ok else TransferState.FAILED, ack.get("err", ""))
         now = time.monotonic()
@@ -204,6 +237,7 @@ class ZmqSender(KVSender):
                 self.open.pop(key)
         sock, mon = self.sockets.pop(dest, None), self.monitors.pop(dest, None)
         self.last_used.pop(dest, None)
+        self.peer_maps.pop(dest, None)  # a new connection may lead to a new receiver: ask again
         self._poller = None
         if sock is not None:
             sock.disable_monitor()
@@ -239,9 +273,10 @@ class ZmqReceiver(KVReceiver):
                  hwm: int = DEFAULT_HWM, sink: KVSink | None = None, partial_timeout_s: float = PARTIAL_TIMEOUT_S,
                  max_partial: int = MAX_PARTIAL, max_partial_bytes: int = MAX_PARTIAL_BYTES,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, keys: KeyLookup | None = None, curve: bool = False,
-                 max_per_peer: int = MAX_PER_PEER) -> None:
+                 max_per_peer: int = MAX_PER_PEER, shared_memory: bool = True) -> None:
         """`keys`: the transfer key of a header's reservation (TransferError: no such reservation);
-        without it nothing is checked (unit tests, the security-off benchmark)."""
+        without it nothing is checked (unit tests, the security-off benchmark). `shared_memory`:
+        map what a sender on this host offers, and take its frames by reference."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.keys, self.max_per_peer = keys, max_per_peer
@@ -263,6 +298,7 @@ class ZmqReceiver(KVReceiver):
         self.port = port
         self.address = tcp_address(advertise_host or host, port)
         self.sink = sink
+        self.regions = RegionMaps(shared_memory)
         self._incoming: dict[bytes, _Incoming] = {}
         self.partial_timeout_s, self.max_partial, self.max_partial_bytes = \
             partial_timeout_s, max_partial, max_partial_bytes
@@ -270,9 +306,10 @@ class ZmqReceiver(KVReceiver):
         self._lock = threading.RLock()
         self._owner: int | None = None  # the thread that polls (and so may use the socket)
 
-    def _queue_ack(self, ident: bytes, tid: str, ok: bool, err: str) -> None:
+    def _queue_ack(self, ident: bytes, tid: str, ok: bool, err: str, mapped: bool | None = None) -> None:
+        ack = {"tid": tid, "ok": ok, "err": err, **({"shm": mapped} if mapped is not None else {})}
         with self._lock:
-            self._acks.append((ident, msgpack.packb({"tid": tid, "ok": ok, "err": err})))
+            self._acks.append((ident, msgpack.packb(ack)))
         if threading.get_ident() == self._owner:
             self._flush_acks()  # on the socket's own thread: no need to wait for the next poll
 
@@ -317,6 +354,9 @@ class ZmqReceiver(KVReceiver):
                 del self._incoming[tid]
                 self._queue_ack(inc.ident, tid.decode(), False, f"frames stopped coming for "
                                 f"{self.partial_timeout_s:.0f}s ({inc.received}/{len(inc.header.frames)} arrived)")
+        if self.regions.num_mapped:
+            self.regions.expire({offer_key(i.header.shared["offer"]) for i in self._incoming.values()
+                                 if i.header.shared.get("offer")})
 
     def _room_for(self, ident: bytes, header: KVHeader) -> str:
         """Why a new transfer cannot be taken now ("" when it can)."""
@@ -352,6 +392,10 @@ class ZmqReceiver(KVReceiver):
                 return None
             inc = _Incoming(ident, header, time.monotonic() + self.partial_timeout_s, key)
             self._incoming[tid] = inc
+            if header.shared.get("offer"):
+                inc.mapped = self.regions.map(header.shared["offer"])
+                if header.shared.get("refs") and not inc.mapped:
+                    inc.error = "KV sent by reference into memory this receiver cannot map"
             if self.sink is not None:
                 try:
                     self.sink.open(header)
@@ -382,12 +426,14 @@ class ZmqReceiver(KVReceiver):
         if not inc.error:
             buf = parts[2].buffer
             try:
+                if inc.header.shared.get("refs"):  # the bytes are in the sender's memory, mapped here
+                    buf = self.regions.frame(inc.header.shared["offer"], buf)
                 verify_frame(inc.header, index, buf, digest)
                 inc.header.frames[index].checksum = digest
                 if self.sink is not None:
                     self.sink.frame(inc.header, index, buf)
-                else:
-                    inc.frames.append((index, buf))
+                else:  # kept past this call: a copy, not a view the sender may reuse after its ack
+                    inc.frames.append((index, bytes(buf) if inc.header.shared.get("refs") else buf))
             except TransferError as e:
                 inc.error = str(e)
         return self._finish_if_complete(tid, inc)
@@ -398,11 +444,12 @@ class ZmqReceiver(KVReceiver):
         del self._incoming[tid]
         frames = [buf for _, buf in sorted(inc.frames, key=lambda x: x[0])]
         t = tid.decode()
-        rx = ReceivedKV(inc.header, frames, lambda ok, err, i=inc.ident: self._queue_ack(i, t, ok, err),
-                        landed=self.sink is not None, error=inc.error)
-        return rx
+        return ReceivedKV(inc.header, frames,
+                          lambda ok, err, i=inc.ident, m=inc.mapped: self._queue_ack(i, t, ok, err, m),
+                          landed=self.sink is not None, error=inc.error)
 
     def close(self) -> None:
         self._flush_acks()
         self.sock.close(linger=0)
         self.ctx.term()
+        self.regions.close()

@@ -1,0 +1,174 @@
+"""Same-host KV through shared memory (transfer/shared_memory.py): a sender offers the memfd its
+KV pool lives in, a receiver that can map it says so, and later frames go as references that
+the receiver checks and lands from the sender's memory."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_cache import KVCache
+from engine.model_meta import ModelSpec
+from pdcommon.client import make_request
+from tests.cluster_utils import InProcessCluster, make_config
+from transfer import TransferState, build_header, make_receiver, make_sender
+from transfer.shared_memory import RegionMaps, SharedRegion
+
+SPEC = ModelSpec("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 1e-6, 512, False)
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.frames: dict[str, list[bytes]] = {}
+
+    def open(self, header) -> None:
+        self.frames[header.request_id] = []
+
+    def frame(self, header, index, buf) -> None:
+        self.frames[header.request_id].append(bytes(buf))
+
+
+def _pool() -> KVCache:
+    kv = KVCache(SPEC, 64, 16, "float32", torch.device("cpu"), shared=True)
+    kv.data.copy_(torch.randn(kv.data.shape))
+    return kv
+
+
+def _transfer(tx, rx, kv: KVCache, rid: str, blocks: list[int], ack: bool = True, before_poll=None):
+    frames, counts = kv.frames(blocks, 4 * kv.layout.block_nbytes)
+    header = build_header(rid, "float32", list(kv.layout.block_shape), kv.layout.block_nbytes,
+                          list(range(len(blocks))), frames, counts, checksums=False)
+    h = tx.send(rx.address, header, frames, timeout_s=10)
+    sent = [bytes(f) for f in frames]
+    if before_poll is not None:
+        before_poll()
+    got = []
+    end = time.monotonic() + 10
+    while not got and time.monotonic() < end:
+        got = rx.poll(0.02)
+    assert got, "the transfer never arrived"
+    if ack:
+        got[0].ack(not got[0].error, got[0].error)
+    while not h.done and time.monotonic() < end:
+        tx.poll()
+        time.sleep(0.002)
+    return h, got[0], sent
+
+
+def test_same_host_frames_go_by_reference_after_the_receiver_maps_the_pool():
+    kv = _pool()
+    sink = Sink()
+    rx, tx = make_receiver("zmq", sink=sink), make_sender("zmq")
+    try:
+        assert tx.share(kv.shared_fd, kv.memory())
+        # The first transfer offers the pool and goes as bytes; the receiver's ack says it mapped it.
+        h, item, sent = _transfer(tx, rx, kv, "a", [3, 4, 5, 9, 10])
+        assert h.state is TransferState.DONE and sink.frames["a"] == sent
+        assert tx.bytes_by_reference == 0 and tx.peer_maps == {rx.address: True}
+        # Then by reference: the same bytes land, none of them through the socket.
+        h, item, sent = _transfer(tx, rx, kv, "b", [20, 21, 22, 23, 24, 30, 2])
+        assert h.state is TransferState.DONE and not item.error
+        assert sink.frames["b"] == sent and len(sent) == 4
+        assert tx.bytes_by_reference == h.nbytes == 7 * kv.layout.block_nbytes
+        assert rx.regions.num_mapped == 1
+        # Frames outside the shared pool (a copy) go as bytes to the same receiver.
+        frames = [memoryview(bytes(kv.frames([7], 1 << 20)[0][0]))]
+        header = build_header("c", "float32", list(kv.layout.block_shape), kv.layout.block_nbytes, [0],
+                              frames, [1])
+        h = tx.send(rx.address, header, frames, timeout_s=10)
+        while not h.done:
+            for it in rx.poll(0.02):
+                it.ack(True)
+            tx.poll()
+        assert h.state is TransferState.DONE and sink.frames["c"] == [bytes(frames[0])]
+        assert tx.bytes_by_reference == 7 * kv.layout.block_nbytes
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_receiver_that_does_not_map_gets_bytes():
+    kv = _pool()
+    sink = Sink()
+    rx, tx = make_receiver("zmq", sink=sink, shared_memory=False), make_sender("zmq")
+    try:
+        tx.share(kv.shared_fd, kv.memory())
+        for rid in ("a", "b"):
+            h, _, sent = _transfer(tx, rx, kv, rid, [1, 2, 3])
+            assert h.state is TransferState.DONE and sink.frames[rid] == sent
+        assert tx.bytes_by_reference == 0 and tx.peer_maps == {rx.address: False}
+        assert rx.regions.num_mapped == 0
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_blocks_changed_after_sending_fail_their_checksum():
+    """A reference is read when the frame is landed: bytes the sender changed since it hashed them
+    (blocks reused after a timeout) are refused, not landed."""
+    kv = _pool()
+    sink = Sink()
+    rx, tx = make_receiver("zmq", sink=sink), make_sender("zmq")
+    try:
+        tx.share(kv.shared_fd, kv.memory())
+        _transfer(tx, rx, kv, "a", [1])
+
+        def scribble() -> None:
+            kv.data[41].fill_(0.0)
+
+        h, item, _ = _transfer(tx, rx, kv, "b", [40, 41], before_poll=scribble)
+        assert "checksum" in item.error and sink.frames["b"] == []
+        assert h.state is TransferState.FAILED and tx.bytes_by_reference == 2 * kv.layout.block_nbytes
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_only_the_offered_memfd_itself_is_mapped():
+    kv = _pool()
+    region = SharedRegion.of(kv.shared_fd, kv.memory())
+    offer = region.offer()
+    maps = RegionMaps()
+    # Another host's numbers, or a descriptor whose inode is not the offered one (a reused PID).
+    assert not maps.map({**offer, "boot": "another-host"})
+    assert not maps.map({**offer, "ino": offer["ino"] + 1})
+    assert not maps.map({**offer, "pid": 2 ** 22 + 7})  # no such process
+    assert maps.num_mapped == 0
+    assert maps.map(offer) and maps.num_mapped == 1
+    ref = region.ref(kv.frames([5], 1 << 20)[0][0])
+    assert bytes(maps.frame(offer, ref)) == bytes(kv.frames([5], 1 << 20)[0][0])
+    from transfer import TransferError
+    from transfer.shared_memory import REF
+
+    with pytest.raises(TransferError, match="outside"):
+        maps.frame(offer, REF.pack(region.nbytes - 8, 16))
+    maps.close()
+    assert maps.num_mapped == 0
+    # A view outside the pool is not a reference.
+    assert region.ref(memoryview(np.zeros(16, dtype=np.uint8))) is None
+    os.fstat(kv.shared_fd)  # the pool's descriptor is untouched by the receiver's close
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_disaggregated_cluster_lands_kv_from_the_prefill_pool(stories_path, story, shared):
+    """1 prefill + 1 decode on one host: after the first request the KV goes by reference, and
+    every request decodes exactly what the engine alone does."""
+    prompts = [story[i:i + 120] for i in (0, 40, 80)]
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    refs = [r["token_ids"] for r in eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                                         ignore_eos=True))]
+    cfg = make_config(stories_path, **{"transfer.shared_memory": shared})
+    assert cfg.engine_config("prefill").kv_shared_memory is shared
+    assert not cfg.engine_config("decode").kv_shared_memory
+    with InProcessCluster(cfg) as cl, cl.client() as c:
+        outs = [c.generate(make_request(p, max_tokens=12, ignore_eos=True)) for p in prompts]
+        assert [o.token_ids for o in outs] == refs
+        sender = next(rt for rt in cl.runtimes() if rt.role == "prefill").service.shipper.sender
+        by_ref = sum(o.usage["kv_transfer_bytes"] for o in outs[1:])
+        assert sender.bytes_by_reference == (by_ref if shared else 0) and (by_ref > 0)
+        cl.wait_idle()
