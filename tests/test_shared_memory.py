@@ -172,3 +172,18 @@ def test_disaggregated_cluster_lands_kv_from_the_prefill_pool(stories_path, stor
         by_ref = sum(o.usage["kv_transfer_bytes"] for o in outs[1:])
         assert sender.bytes_by_reference == (by_ref if shared else 0) and (by_ref > 0)
         cl.wait_idle()
+
+
+def test_frames_by_reference_are_cut_to_cache_sized_pieces_of_whole_blocks():
+    from transfer.shared_memory import cut_frames
+
+    kv = _pool()
+    bnb = kv.layout.block_nbytes
+    frames, counts = kv.frames(list(range(10)) + [20, 21, 22], 16 * bnb)
+    header = build_header("r", "float32", list(kv.layout.block_shape), bnb, list(range(13)), frames, counts)
+    whole = b"".join(bytes(f) for f in frames)
+    pieces = cut_frames(header, frames, 3 * bnb + 5)
+    assert [f.num_blocks for f in header.frames] == [3, 3, 3, 1, 3]
+    assert [p.nbytes for p in pieces] == [f.nbytes for f in header.frames]
+    assert b"".join(bytes(p) for p in pieces) == whole
+    assert [f.num_blocks for f in (cut_frames(header, pieces, 1) and header.frames)] == [1] * 13

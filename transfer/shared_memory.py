@@ -15,8 +15,12 @@ process, or another host's numbers, are never mapped. Either side may be unable:
 says so in its acknowledgement, and the sender keeps sending bytes to that peer.
 
 The references carry no authority of their own: the header (offer and all) and each frame's
-digest are signed with the transfer key as on the wire, and a frame whose bytes changed since
-the sender hashed them (blocks reused after a timeout) fails its checksum.
+digest are signed with the transfer key as on the wire. What lands is what was checked: the
+receiver copies each frame out of the sender's memory once, into a scratch buffer, checks that
+copy and lands it, so bytes the sender changes meanwhile (blocks reused after a cancel or a
+timeout) fail the checksum instead of landing unchecked. Frames by reference are cut to at most
+PIECE_BYTES so that the scratch copy stays in the core's cache: from memory, each byte is read
+once and written once, as in a plain copy.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.wire import TransferError
+from transfer.wire import FrameInfo, KVHeader, TransferError
 
 REF = struct.Struct("<QQ")  # a frame by reference: offset into the offered region, byte count
 IDLE_MAP_S = 60.0  # a receiver unmaps a region no transfer used this long (its sender may be gone)
+PIECE_BYTES = 1 << 20  # frames by reference are cut to this (at least one block): half a core's L2 here
 
 
 def boot_id() -> str:
@@ -84,6 +89,21 @@ class SharedRegion:
         if addr is None or not self.base <= addr or addr + frame.nbytes > self.base + self.nbytes:
             return None
         return REF.pack(addr - self.base, frame.nbytes)
+
+
+def cut_frames(header: KVHeader, frames: list[memoryview], piece_bytes: int = PIECE_BYTES) -> list[memoryview]:
+    """The frames cut into pieces of whole blocks, at most `piece_bytes` each (at least one
+    block); the header's frame list is rewritten to match (checksums left to the sender)."""
+    per = max(1, piece_bytes // header.block_nbytes)
+    infos, pieces = [], []
+    for info, frame in zip(header.frames, frames, strict=True):
+        flat = frame.cast("B") if frame.format != "B" or frame.ndim != 1 else frame
+        for b in range(0, info.num_blocks, per):
+            n = min(per, info.num_blocks - b)
+            pieces.append(flat[b * header.block_nbytes:(b + n) * header.block_nbytes])
+            infos.append(FrameInfo(n, n * header.block_nbytes, 0))
+    header.frames = infos
+    return pieces
 
 
 def offer_key(offer: dict) -> tuple:

@@ -32,7 +32,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState
-from transfer.shared_memory import RegionMaps, SharedRegion, offer_key
+from transfer.shared_memory import RegionMaps, SharedRegion, cut_frames, offer_key
 from transfer.wire import (
     KeyLookup,
     KVHeader,
@@ -100,15 +100,19 @@ class ZmqSender(KVSender):
         self.region = SharedRegion.of(fd, memory)
         return self.region is not None
 
-    def _references(self, dest: str, header: KVHeader, frames: Sequence[memoryview]) -> list[bytes] | None:
-        """The frames as references when the receiver maps the region and all lie in it; the
-        offer rides in the header until the receiver has said whether it can map it."""
+    def _references(self, dest: str, header: KVHeader, frames: Sequence[memoryview],
+                    ) -> tuple[list[bytes] | None, Sequence[memoryview]]:
+        """The frames as references (cut to cache-sized pieces) when the receiver maps the region
+        and all lie in it; the offer rides in the header until the receiver has said whether it
+        can map it."""
         if self.region is None or self.peer_maps.get(dest) is False:
-            return None
-        refs = [self.region.ref(f) for f in frames] if self.peer_maps.get(dest) else []
-        use = bool(refs) and all(r is not None for r in refs)
+            return None, frames
+        use = bool(frames) and bool(self.peer_maps.get(dest)) and all(self.region.ref(f) for f in frames)
         header.shared = {"offer": self.region.offer(), "refs": use}
-        return refs if use else None
+        if not use:
+            return None, frames
+        frames = cut_frames(header, list(frames))
+        return [self.region.ref(f) for f in frames], frames
 
     def _socket(self, dest: str, peer_key: str = "") -> zmq.Socket:
         self.last_used[dest] = time.monotonic()
@@ -156,7 +160,7 @@ class ZmqSender(KVSender):
         try:
             sock = self._socket(dest, peer_key)
             sock.setsockopt(zmq.SNDTIMEO, max(int(timeout_s * 1000), 1))
-            refs = self._references(dest, header, frames)
+            refs, frames = self._references(dest, header, frames)
             raw = header.encode()
             opening = [HEADER, raw, header_tag(key, raw)]
             # One message per frame, each with its own checksum (and tag) computed just before it
@@ -299,6 +303,7 @@ class ZmqReceiver(KVReceiver):
         self.address = tcp_address(advertise_host or host, port)
         self.sink = sink
         self.regions = RegionMaps(shared_memory)
+        self._scratch = bytearray()  # a frame by reference, copied out of the sender's memory
         self._incoming: dict[bytes, _Incoming] = {}
         self.partial_timeout_s, self.max_partial, self.max_partial_bytes = \
             partial_timeout_s, max_partial, max_partial_bytes
@@ -426,17 +431,25 @@ class ZmqReceiver(KVReceiver):
         if not inc.error:
             buf = parts[2].buffer
             try:
-                if inc.header.shared.get("refs"):  # the bytes are in the sender's memory, mapped here
-                    buf = self.regions.frame(inc.header.shared["offer"], buf)
+                by_ref = bool(inc.header.shared.get("refs"))
+                if by_ref:  # in the sender's memory: checked and landed from one copy of it
+                    buf = self._copy_out(self.regions.frame(inc.header.shared["offer"], buf))
                 verify_frame(inc.header, index, buf, digest)
                 inc.header.frames[index].checksum = digest
                 if self.sink is not None:
                     self.sink.frame(inc.header, index, buf)
-                else:  # kept past this call: a copy, not a view the sender may reuse after its ack
-                    inc.frames.append((index, bytes(buf) if inc.header.shared.get("refs") else buf))
+                else:  # kept past this call: the scratch buffer is reused by the next frame
+                    inc.frames.append((index, bytes(buf) if by_ref else buf))
             except TransferError as e:
                 inc.error = str(e)
         return self._finish_if_complete(tid, inc)
+
+    def _copy_out(self, src: memoryview) -> memoryview:
+        if len(self._scratch) < src.nbytes:
+            self._scratch = bytearray(src.nbytes)
+        view = memoryview(self._scratch)[:src.nbytes]
+        view[:] = src
+        return view
 
     def _finish_if_complete(self, tid: bytes, inc: _Incoming) -> ReceivedKV | None:
         if inc.received < len(inc.header.frames):
