@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -187,3 +188,55 @@ def test_frames_by_reference_are_cut_to_cache_sized_pieces_of_whole_blocks():
     assert [p.nbytes for p in pieces] == [f.nbytes for f in header.frames]
     assert b"".join(bytes(p) for p in pieces) == whole
     assert [f.num_blocks for f in (cut_frames(header, pieces, 1) and header.frames)] == [1] * 13
+
+
+RECEIVER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from transfer import make_receiver
+
+class Sink:
+    def open(self, header): pass
+    def frame(self, header, index, buf): pass
+
+rx = make_receiver("zmq", sink=Sink())
+print(rx.address, flush=True)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    for item in rx.poll(0.05):
+        item.ack(not item.error, item.error)
+"""
+
+
+def test_a_receiver_in_another_pid_namespace_gets_bytes(tmp_path):
+    """Two pods on one node: same boot, different PID namespaces. The offer's PID means nothing
+    there (or another process), so the receiver does not map it and the KV goes as bytes."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                                                         capture_output=True).returncode != 0:
+        pytest.skip("needs unshare --pid (root)")
+    repo = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", RECEIVER, repo],
+                            stdout=subprocess.PIPE, text=True)
+    tx = make_sender("zmq")
+    try:
+        address = proc.stdout.readline().strip()
+        kv = _pool()
+        assert tx.share(kv.shared_fd, kv.memory())
+        for rid in ("a", "b", "c"):
+            frames, counts = kv.frames([1, 2, 3, 8], 1 << 20)
+            header = build_header(rid, "float32", list(kv.layout.block_shape), kv.layout.block_nbytes,
+                                  list(range(4)), frames, counts, checksums=False)
+            h = tx.send(address, header, frames, timeout_s=20)
+            while not h.done:
+                tx.poll()
+                time.sleep(0.005)
+            assert h.state is TransferState.DONE, h.error
+        assert tx.peer_maps == {address: False} and tx.bytes_by_reference == 0
+    finally:
+        tx.close()
+        proc.kill()
+        proc.wait()
