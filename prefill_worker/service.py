@@ -69,7 +69,9 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         self.shipper.close()
 
     def gauges(self) -> dict[str, int]:
-        return {"peer_sockets": getattr(self.shipper.sender, "num_sockets", 0)}
+        sender = self.shipper.sender
+        return {"peer_sockets": getattr(sender, "num_sockets", 0),
+                "kv_shared_peers": getattr(sender, "num_shared_peers", 0)}
 
     def _send(self, request: wpb.PrefillRequest, exp: KVExport, ship: _Shipment) -> None:
         tcfg = self.rt.cfg.transfer

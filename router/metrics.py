@@ -15,13 +15,15 @@ from router.request import RequestFailed, RequestState
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0)
-# Per-worker figures from heartbeats that should return to 0 (or their baseline) when idle.
+# Per-worker figures from heartbeats; all but the last return to 0 (or their baseline) when idle.
 WORKER_GAUGES = {"used_blocks": "KV blocks referenced (by live requests)",
                  "orphan_blocks": "KV block references held by no live request (a leak if not 0)",
                  "partial_transfers": "Incoming KV transfers still waiting for frames",
                  "peer_sockets": "Open sockets to peers (KV senders)",
                  "open_fds": "Open file descriptors of the worker process",
-                 "rss_bytes": "Resident memory of the worker process"}
+                 "rss_bytes": "Resident memory of the worker process",
+                 # Not a leak gauge: 0 means every decode worker gets this prefill worker's KV by socket.
+                 "kv_shared_peers": "Decode workers that land this prefill worker's KV from its shared memory"}
 _ITL = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
         0.75, 1.0, 2.5)
 

@@ -172,6 +172,14 @@ def test_disaggregated_cluster_lands_kv_from_the_prefill_pool(stories_path, stor
         sender = next(rt for rt in cl.runtimes() if rt.role == "prefill").service.shipper.sender
         by_ref = sum(o.usage["kv_transfer_bytes"] for o in outs[1:])
         assert sender.bytes_by_reference == (by_ref if shared else 0) and (by_ref > 0)
+        # The prefill worker's heartbeat reports how many decode workers map its pool.
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            seen = [w.kv_shared_peers for w in c.status().workers if w.role == "prefill"]
+            if seen == [int(shared)]:
+                break
+            time.sleep(0.2)
+        assert seen == [int(shared)]
         cl.wait_idle()
 
 

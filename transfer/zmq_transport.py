@@ -95,6 +95,7 @@ class ZmqSender(KVSender):
         self.region: SharedRegion | None = None  # memory offered to same-host receivers (share)
         self.peer_maps: dict[str, bool] = {}  # per destination: whether it maps the region (from its acks)
         self.bytes_by_reference = 0  # frames' bytes that went as references, not over the socket
+        self.num_shared_peers = 0  # receivers that map the region (kept for readers on other threads)
 
     def share(self, fd: int, memory: memoryview) -> bool:
         self.region = SharedRegion.of(fd, memory)
@@ -202,6 +203,7 @@ class ZmqSender(KVSender):
                 if handle is not None:
                     if "shm" in ack and self.peer_maps.get(handle.dest) is not bool(ack["shm"]):
                         self.peer_maps[handle.dest] = bool(ack["shm"])
+                        self.num_shared_peers = sum(self.peer_maps.values())
                         log.info("KV to %s goes %s", handle.dest, "through shared memory" if ack["shm"]
                                  else "over the socket (the receiver cannot map this sender's memory)")
                     ok = bool(ack.get("ok"))
@@ -242,6 +244,7 @@ class ZmqSender(KVSender):
         sock, mon = self.sockets.pop(dest, None), self.monitors.pop(dest, None)
         self.last_used.pop(dest, None)
         self.peer_maps.pop(dest, None)  # a new connection may lead to a new receiver: ask again
+        self.num_shared_peers = sum(self.peer_maps.values())
         self._poller = None
         if sock is not None:
             sock.disable_monitor()
