@@ -15,12 +15,13 @@ process, or another host's numbers, are never mapped. Either side may be unable:
 says so in its acknowledgement, and the sender keeps sending bytes to that peer.
 
 The references carry no authority of their own: the header (offer and all) and each frame's
-digest are signed with the transfer key as on the wire. What lands is what was checked: the
-receiver copies each frame out of the sender's memory once, into a scratch buffer, checks that
-copy and lands it, so bytes the sender changes meanwhile (blocks reused after a cancel or a
-timeout) fail the checksum instead of landing unchecked. Frames by reference are cut to at most
-PIECE_BYTES so that the scratch copy stays in the core's cache: from memory, each byte is read
-once and written once, as in a plain copy.
+digest are signed with the transfer key as on the wire. The receiver lands each frame straight
+from the sender's memory and then computes its checksum from that memory: bytes the sender
+changed before or during the copy (blocks reused after a cancel or a timeout) fail it, and the
+failed import is never committed. Frames by reference are cut to at most PIECE_BYTES, so that
+the sender's hashing of one overlaps the receiver's landing of the one before, whatever
+transfer.max_frame_bytes says. (Smaller pieces cost more than they gained: per 32 MiB, 1 MiB
+pieces took 7.5-9.5 ms, 4 MiB ones 6.3-8.2 ms, mostly in messages.)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from transfer.wire import FrameInfo, KVHeader, TransferError
 
 REF = struct.Struct("<QQ")  # a frame by reference: offset into the offered region, byte count
 IDLE_MAP_S = 60.0  # a receiver unmaps a region no transfer used this long (its sender may be gone)
-PIECE_BYTES = 1 << 20  # frames by reference are cut to this (at least one block): half a core's L2 here
+PIECE_BYTES = 4 << 20  # frames by reference are cut to this (at least one block)
 
 
 def boot_id() -> str:

@@ -154,15 +154,18 @@ def verify_layout(header: KVHeader) -> None:
 
 def verify_frame(header: KVHeader, index: int, buf: memoryview | bytes, digest: int | None = None) -> None:
     """Size and xxh3 of one frame (against `digest`, or the header's checksum for it)."""
+    verify_frame_size(header, index, memoryview(buf).nbytes)
+    if checksum(buf) != (header.frames[index].checksum if digest is None else digest):
+        raise TransferError(f"{header.request_id}: frame {index} fails its xxh3 checksum (corrupt data)")
+
+
+def verify_frame_size(header: KVHeader, index: int, n: int) -> None:
     if not 0 <= index < len(header.frames):
         raise TransferError(f"{header.request_id}: frame index {index} outside the header's {len(header.frames)}")
     info = header.frames[index]
-    n = memoryview(buf).nbytes
     if n != info.nbytes or n != info.num_blocks * header.block_nbytes:
         raise TransferError(f"{header.request_id}: frame {index} has {n} bytes, expected {info.nbytes} "
                             f"({info.num_blocks} blocks of {header.block_nbytes})")
-    if checksum(buf) != (info.checksum if digest is None else digest):
-        raise TransferError(f"{header.request_id}: frame {index} fails its xxh3 checksum (corrupt data)")
 
 
 def verify(header: KVHeader, frames: Sequence[memoryview | bytes]) -> None:

@@ -42,6 +42,7 @@ from transfer.wire import (
     frame_tag,
     header_tag,
     verify_frame,
+    verify_frame_size,
     verify_layout,
 )
 
@@ -306,7 +307,6 @@ class ZmqReceiver(KVReceiver):
         self.address = tcp_address(advertise_host or host, port)
         self.sink = sink
         self.regions = RegionMaps(shared_memory)
-        self._scratch = bytearray()  # a frame by reference, copied out of the sender's memory
         self._incoming: dict[bytes, _Incoming] = {}
         self.partial_timeout_s, self.max_partial, self.max_partial_bytes = \
             partial_timeout_s, max_partial, max_partial_bytes
@@ -434,25 +434,34 @@ class ZmqReceiver(KVReceiver):
         if not inc.error:
             buf = parts[2].buffer
             try:
-                by_ref = bool(inc.header.shared.get("refs"))
-                if by_ref:  # in the sender's memory: checked and landed from one copy of it
-                    buf = self._copy_out(self.regions.frame(inc.header.shared["offer"], buf))
-                verify_frame(inc.header, index, buf, digest)
+                if inc.header.shared.get("refs"):
+                    self._by_reference(inc, index, digest, buf)
+                else:
+                    verify_frame(inc.header, index, buf, digest)
+                    if self.sink is not None:
+                        self.sink.frame(inc.header, index, buf)
+                    else:
+                        inc.frames.append((index, buf))
                 inc.header.frames[index].checksum = digest
-                if self.sink is not None:
-                    self.sink.frame(inc.header, index, buf)
-                else:  # kept past this call: the scratch buffer is reused by the next frame
-                    inc.frames.append((index, bytes(buf) if by_ref else buf))
             except TransferError as e:
                 inc.error = str(e)
         return self._finish_if_complete(tid, inc)
 
-    def _copy_out(self, src: memoryview) -> memoryview:
-        if len(self._scratch) < src.nbytes:
-            self._scratch = bytearray(src.nbytes)
-        view = memoryview(self._scratch)[:src.nbytes]
-        view[:] = src
-        return view
+    def _by_reference(self, inc: _Incoming, index: int, digest: int, ref: memoryview) -> None:
+        """A frame in the sender's memory, landed from there and then checked. The checksum reads
+        the bytes after the copy: bytes the sender changed before or during it (blocks it reused
+        after a cancel) fail it, and a failed transfer's blocks are never committed (the engine
+        caches imported blocks only when the whole import commits). Hashing first and copying
+        after would land whatever changed in between unchecked."""
+        src = self.regions.frame(inc.header.shared["offer"], ref)
+        if self.sink is None:  # kept past this call: a copy of its own, checked
+            own = bytes(src)
+            verify_frame(inc.header, index, own, digest)
+            inc.frames.append((index, own))
+            return
+        verify_frame_size(inc.header, index, src.nbytes)
+        self.sink.frame(inc.header, index, src)
+        verify_frame(inc.header, index, src, digest)
 
     def _finish_if_complete(self, tid: bytes, inc: _Incoming) -> ReceivedKV | None:
         if inc.received < len(inc.header.frames):
