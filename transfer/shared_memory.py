@@ -140,8 +140,9 @@ class RegionMaps:
             if (st.st_dev, st.st_ino) != (offer.get("dev"), offer.get("ino")) or not 0 < size <= st.st_size:
                 self._refused.add(key)  # another process's descriptor under a reused PID
                 return False
-            # Page tables filled once, here, not by a fault per 4 KiB page in every first landing.
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+            # Not populated: the page tables of a pool of tens of GiB would take seconds here, on the
+            # thread landing the first transfer; a page faults in once, the first time it is read.
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         except (OSError, ValueError, TypeError):
             self._refused.add(key)
             return False
