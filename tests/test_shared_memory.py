@@ -140,6 +140,9 @@ def test_only_the_offered_memfd_itself_is_mapped():
     assert not maps.map({**offer, "boot": "another-host"})
     assert not maps.map({**offer, "ino": offer["ino"] + 1})
     assert not maps.map({**offer, "pid": 2 ** 22 + 7})  # no such process
+    with open(__file__, "rb") as f:  # a descriptor that is a file, not a memfd, even with its own numbers
+        st = os.fstat(f.fileno())
+        assert not maps.map({**offer, "fd": f.fileno(), "dev": st.st_dev, "ino": st.st_ino, "size": 16})
     assert maps.num_mapped == 0
     assert maps.map(offer) and maps.num_mapped == 1
     ref = region.ref(kv.frames([5], 1 << 20)[0][0])

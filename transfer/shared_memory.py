@@ -130,7 +130,11 @@ class RegionMaps:
         if not self.enabled or key in self._refused or offer.get("boot") != BOOT_ID:
             return False
         try:
-            fd = os.open(f"/proc/{int(offer['pid'])}/fd/{int(offer['fd'])}", os.O_RDONLY | os.O_CLOEXEC)
+            path = f"/proc/{int(offer['pid'])}/fd/{int(offer['fd'])}"
+            if not os.readlink(path).startswith("/memfd:"):  # only a memfd is offered, never a file
+                self._refused.add(key)
+                return False
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except (OSError, KeyError, TypeError, ValueError):
             self._refused.add(key)
             return False

@@ -104,8 +104,8 @@ class ZmqSender(KVSender):
 
     def _references(self, dest: str, header: KVHeader, frames: Sequence[memoryview],
                     ) -> tuple[list[bytes] | None, Sequence[memoryview]]:
-        """The frames as references (cut to cache-sized pieces) when the receiver maps the region
-        and all lie in it; the offer rides in the header until the receiver has said whether it
+        """The frames as references (cut to pieces of at most PIECE_BYTES) when the receiver maps
+        the region and all lie in it; the offer rides in the header until the receiver has said whether it
         can map it."""
         if self.region is None or self.peer_maps.get(dest) is False:
             return None, frames
