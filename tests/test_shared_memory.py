@@ -18,8 +18,10 @@ from engine.model_meta import ModelSpec
 from pdcommon.client import make_request
 from tests.cluster_utils import InProcessCluster, make_config
 from transfer import TransferState, build_header, make_receiver, make_sender
-from transfer.shared_memory import RegionMaps, SharedRegion
+from transfer.shared_memory import BOOT_ID, RegionMaps, SharedRegion
 
+# Linux only: memfd_create and the kernel's boot id are what the feature stands on.
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create") or not BOOT_ID, reason="needs memfd and a boot id")
 SPEC = ModelSpec("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 1e-6, 512, False)
 
 
