@@ -136,7 +136,7 @@ def test_blocks_changed_after_sending_fail_their_checksum():
 def test_only_the_offered_memfd_itself_is_mapped():
     kv = _pool()
     region = SharedRegion.of(kv.shared_fd, kv.memory())
-    offer = region.offer()
+    offer = region.offer
     maps = RegionMaps()
     # Another host's numbers, or a descriptor whose inode is not the offered one (a reused PID).
     assert not maps.map({**offer, "boot": "another-host"})

@@ -51,6 +51,11 @@ def boot_id() -> str:
 BOOT_ID = boot_id()
 
 
+def flat(buf: memoryview) -> memoryview:
+    """The buffer as one dimension of bytes."""
+    return buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+
+
 def address_of(buf: memoryview) -> int | None:
     """The address of a buffer's first byte, or None when it cannot be taken (read-only or not
     contiguous: such a frame travels as bytes)."""
@@ -68,25 +73,24 @@ class SharedRegion:
     base: int
     nbytes: int
     view: memoryview  # keeps the memory alive and mapped while the region is offered
+    offer: dict  # what a receiver needs to find and check it (sent with every transfer's header)
 
     @classmethod
     def of(cls, fd: int, view: memoryview) -> SharedRegion | None:
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        view = flat(view)
         base = address_of(view)
-        if base is None or not BOOT_ID or os.fstat(fd).st_size < view.nbytes:
+        st = os.fstat(fd)
+        if base is None or not BOOT_ID or st.st_size < view.nbytes:
             return None
-        return cls(fd, base, view.nbytes, view)
-
-    def offer(self) -> dict:
-        st = os.fstat(self.fd)
-        return {"boot": BOOT_ID, "pid": os.getpid(), "fd": self.fd, "dev": st.st_dev, "ino": st.st_ino,
-                "size": self.nbytes}
+        offer = {"boot": BOOT_ID, "pid": os.getpid(), "fd": fd, "dev": st.st_dev, "ino": st.st_ino,
+                 "size": view.nbytes}
+        return cls(fd, base, view.nbytes, view, offer)
 
     def ref(self, frame: memoryview) -> bytes | None:
         """The frame as a reference into this region, or None when it lies outside it."""
         if frame.nbytes == 0:
             return None
-        addr = address_of(frame.cast("B") if frame.format != "B" or frame.ndim != 1 else frame)
+        addr = address_of(flat(frame))
         if addr is None or not self.base <= addr or addr + frame.nbytes > self.base + self.nbytes:
             return None
         return REF.pack(addr - self.base, frame.nbytes)
@@ -98,10 +102,10 @@ def cut_frames(header: KVHeader, frames: list[memoryview], piece_bytes: int = PI
     per = max(1, piece_bytes // header.block_nbytes)
     infos, pieces = [], []
     for info, frame in zip(header.frames, frames, strict=True):
-        flat = frame.cast("B") if frame.format != "B" or frame.ndim != 1 else frame
+        whole = flat(frame)
         for b in range(0, info.num_blocks, per):
             n = min(per, info.num_blocks - b)
-            pieces.append(flat[b * header.block_nbytes:(b + n) * header.block_nbytes])
+            pieces.append(whole[b * header.block_nbytes:(b + n) * header.block_nbytes])
             infos.append(FrameInfo(n, n * header.block_nbytes, 0))
     header.frames = infos
     return pieces

@@ -110,7 +110,7 @@ class ZmqSender(KVSender):
         if self.region is None or self.peer_maps.get(dest) is False:
             return None, frames
         use = bool(frames) and bool(self.peer_maps.get(dest)) and all(self.region.ref(f) for f in frames)
-        header.shared = {"offer": self.region.offer(), "refs": use}
+        header.shared = {"offer": self.region.offer, "refs": use}
         if not use:
             return None, frames
         frames = cut_frames(header, list(frames))
