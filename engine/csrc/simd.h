@@ -44,9 +44,29 @@ static inline float hsum(vf v) {
     return a[0];
 }
 
-/* 2^x lane by lane, clamped to [-126, 126]: x = j + f with j = round(x) and |f| <= 1/2, 2^f by
- * its degree-6 Taylor polynomial (relative error ~1e-7), 2^j built in the exponent bits. -inf
- * (a masked score) gives ~1e-38, nothing next to a softmax row maximum's 1. */
+/* 2^x lane by lane, clamped to [-126, 126] (below, a result would be denormal, and each
+ * denormal costs a microcode assist: 30x the time of the whole function; -inf, a masked score,
+ * gives ~1e-38, nothing next to a softmax row maximum's 1): x = j + f with j = round(x) and
+ * |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error ~1e-7), times 2^j. */
+#if VW == 16
+#include <immintrin.h>
+/* AVX-512 rounds and scales by 2^j in one instruction each (vrndscaleps, vscalefps): the prompt
+ * attention kernel ran 3% faster than with the portable version below. */
+static inline vf vexp2(vf x) {
+    const __m512 v = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-126.f)), _mm512_set1_ps(126.f));
+    const __m512 j = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(v, j);
+    __m512 p = _mm512_set1_ps(1.5403530e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return (vf)_mm512_scalef_ps(p, j);
+}
+#else
+/* 2^j is built in the exponent bits. */
 static inline vf vexp2(vf x) {
     const vf magic = (vf){} + 12582912.f; /* 1.5 x 2^23: adding it rounds to an integer */
     x = vmin(vmax(x, (vf){} - 126.f), (vf){} + 126.f);
@@ -62,6 +82,7 @@ static inline vf vexp2(vf x) {
     vi bits = (((vi)r - (vi)magic) + 127) << 23;
     return p * (vf)bits;
 }
+#endif
 
 static inline vf vexp(vf x) { return vexp2(x * 1.4426950408889634f); }
 
