@@ -429,3 +429,55 @@ def test_zmq_first_frame_rides_with_the_header():
     finally:
         tx.close()
         rx.close()
+
+
+def test_grpc_sends_a_one_chunk_kv_as_one_message_and_a_larger_header_ahead():
+    from transfer.grpc_transport import CHUNK, _chunks
+
+    header, frames = make_payload()
+    (only,) = list(_chunks(header, frames, key=b"k" * 32))  # header, tag and all frames together
+    assert only.endswith(b"".join(bytes(f) for f in frames))
+    big, big_frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
+    msgs = list(_chunks(big, big_frames, key=None))
+    assert len(msgs) == 3 and len(msgs[0]) < 4096 and [len(m) for m in msgs[1:]] == [CHUNK, CHUNK]
+    # Through a receiver: both shapes land frame by frame, equal to what was sent.
+    sink = RecordingSink()
+    rx = make_receiver("grpc", host="127.0.0.1", sink=sink)
+    tx = make_sender("grpc")
+    try:
+        for h, fs in ((header, frames), (big, big_frames)):
+            handle = tx.send(rx.address, h, fs, timeout_s=10)
+            got = []
+            while not got:
+                got = rx.poll(0.05)
+            assert got[0].landed and not got[0].error
+            got[0].ack(True)
+            assert _wait(tx, handle).state is TransferState.DONE
+        assert [b for _, _, b in sink.frames] == [bytes(f) for f in (*frames, *big_frames)]
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_grpc_opening_that_misstates_its_lengths_is_refused():
+    import struct
+
+    import grpc
+    import msgpack
+
+    from transfer.grpc_transport import METHOD
+
+    rx = make_receiver("grpc", host="127.0.0.1")
+    try:
+        with grpc.insecure_channel(rx.address.removeprefix("grpc://")) as ch:
+            call = ch.stream_unary(METHOD)
+            header, frames = make_payload()
+            raw = header.encode()
+            short = struct.pack("<II", len(raw), 0) + raw + bytes(frames[0])  # frames 1 and 2 missing
+            for first in (b"\x01\x00", struct.pack("<II", 1 << 30, 32) + bytes(64),
+                          struct.pack("<II", 10, 32) + bytes(20), short):
+                ack = msgpack.unpackb(call(iter([first]), timeout=10))
+                assert not ack["ok"] and "opening" in ack["err"]
+        assert rx.poll(0.1) == []  # nothing reached the owner
+    finally:
+        rx.close()
