@@ -20,7 +20,11 @@ transfer.shared_memory; the receiver maps it on the first transfer (bytes, not t
 takes every frame by reference (transfer/shared_memory.py), checksums and tags as on the wire.
 
 Baselines in the same run: raw ZeroMQ (above) and a raw gRPC client stream of the same bytes in
-the gRPC transport's 4 MiB chunks, read and dropped (`vs_raw_grpc` for the gRPC rows).
+the gRPC transport's 4 MiB chunks, read and dropped (`vs_raw_grpc` for the gRPC rows). Those rows
+run first, minutes before the transports' own, and this host's speed swings 2x from second to
+second, so each transport row also has `paired_vs_raw`: a raw transfer (its transport's baseline,
+one ZeroMQ message or the gRPC chunk stream, to an endpoint in the receiver's process) runs beside
+each repetition, in alternating order, and the ratio is the median of the pairs' throughput.
 
 Part 2: TTFT split into queue / prefill / first-token delivery, plus the KV transfer time, for
 128- and 2048-token prompts through a real router + prefill + decode on the 50M model.
@@ -111,9 +115,10 @@ def tls_credentials(certs_dir: str | None) -> dict:
 RAW_GRPC_METHOD = "/bench.Raw/Push"
 
 
-def _raw_grpc_receiver(addr_q, ctrl_q) -> None:
+def _raw_grpc_server():
     """The gRPC baseline: a client-streaming call of raw byte chunks, read and dropped, then a
-    one-message reply. Same chunking as the gRPC transport; no header, checks or landing."""
+    one-message reply. Same chunking as the gRPC transport; no header, checks or landing.
+    Returns the started server and its address."""
     from concurrent import futures
 
     import grpc
@@ -129,9 +134,86 @@ def _raw_grpc_receiver(addr_q, ctrl_q) -> None:
         "bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    addr_q.put(({"off": f"127.0.0.1:{port}"}, ""))
+    return server, f"127.0.0.1:{port}"
+
+
+def _raw_grpc_receiver(addr_q, ctrl_q) -> None:
+    server, addr = _raw_grpc_server()
+    addr_q.put(({"off": addr}, ""))
     ctrl_q.get()
     server.stop(0)
+
+
+def _raw_zmq_echo(ctx, stop) -> tuple[str, str]:
+    """The ZeroMQ baseline beside a transport's receiver: PULL each message, PUSH its first part
+    back (a one-message acknowledgement). Returns (where to push, where to pull the acks)."""
+    import threading
+
+    import zmq
+
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    a, b = pull.bind_to_random_port("tcp://127.0.0.1"), push.bind_to_random_port("tcp://127.0.0.1")
+
+    def loop() -> None:
+        while not stop.is_set():
+            if pull.poll(20):
+                parts = pull.recv_multipart(copy=False)
+                push.send(parts[0].bytes)
+        pull.close(0)
+        push.close(0)
+
+    threading.Thread(target=loop, daemon=True).start()
+    return f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}"
+
+
+class PairedRaw:
+    """The raw baseline, sent from the transport rows' own loop between their transfers, to a
+    baseline endpoint in the receiver's process: each repetition's transport transfers and its
+    raw one run back to back, so that this host's speed swings (2x, second to second) hit both,
+    where rows measured minutes apart compared the host's state as much as the transports."""
+
+    def __init__(self, transport: str, addrs: dict) -> None:
+        import zmq
+
+        self.transport = transport
+        if transport == "grpc":
+            import grpc
+
+            from transfer.grpc_transport import _OPTIONS
+
+            self.channel = grpc.insecure_channel(addrs["raw"], options=_OPTIONS)
+            self.call = self.channel.stream_unary(RAW_GRPC_METHOD)
+        else:
+            self.zctx = zmq.Context()
+            self.push, self.pull = self.zctx.socket(zmq.PUSH), self.zctx.socket(zmq.PULL)
+            self.push.connect(addrs["raw"][0])
+            self.pull.connect(addrs["raw"][1])
+
+    def send(self, whole: memoryview) -> float:
+        """Seconds for one transfer of `whole`, in the transport's own pieces: gRPC chunks, each
+        copied to bytes (gRPC takes only bytes), or one zero-copy ZeroMQ message per frame
+        (transfer.max_frame_bytes), each acknowledged. As one message, 256 MiB moved at half the
+        rate: ZeroMQ's receiver takes a message whole."""
+        from transfer.grpc_transport import CHUNK
+
+        t0 = time.perf_counter()
+        if self.transport == "grpc":
+            self.call(iter([bytes(whole[i:i + CHUNK]) for i in range(0, whole.nbytes, CHUNK)]), timeout=120)
+        else:
+            step = _frame_bytes()
+            for i in range(0, whole.nbytes, step):
+                self.push.send_multipart([b"raw", whole[i:i + step]], copy=False)
+            for _ in range(0, whole.nbytes, step):
+                self.pull.recv()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.transport == "grpc":
+            self.channel.close()
+        else:
+            self.push.close(0)
+            self.pull.close(0)
+            self.zctx.term()
 
 
 def _raw_grpc_rows(addr: str, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
@@ -214,8 +296,15 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, cu
     rxs = {mode: make_receiver(transport, host="127.0.0.1", sink=Sink(), curve=curve,
                                keys=None if mode == "off" else (lambda h: transfer_key(h.request_id)),
                                server_credentials=tls.get("server_credentials")) for mode in ("off", "token")}
-    addr_q.put(({mode: rx.address for mode, rx in rxs.items()}, getattr(rxs["token"], "public_key", "")))
     stop = threading.Event()
+    addrs: dict = {mode: rx.address for mode, rx in rxs.items()}
+    raw_server = None
+    if transport == "grpc":
+        raw_server, addrs["raw"] = _raw_grpc_server()
+    elif transport == "zmq":
+        raw_ctx = zmq.Context()
+        addrs["raw"] = _raw_zmq_echo(raw_ctx, stop)
+    addr_q.put((addrs, getattr(rxs["token"], "public_key", "")))
 
     def loop(rx) -> None:  # one thread per receiver, as in the decode worker
         while not stop.is_set():
@@ -247,6 +336,8 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, cu
     result_q.put(timings)
     for rx in rxs.values():
         rx.close()
+    if raw_server is not None:
+        raw_server.stop(0)
 
 
 def _cpu_s(child_pid: int) -> float:
@@ -339,12 +430,21 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     export_times: dict[str, float] = {}
     cpu_ms: dict[int, float] = {}  # both processes' CPU per transfer, all modes of a size together
     totals: dict[str, float] = {}
+    raw = PairedRaw(transport, addrs)
+    raw_times: dict[tuple[int, int], float] = {}
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
-        # Interleaved, in alternating order: both modes see the same noise, neither always goes first.
-        order = [(r, m) for r in range(_reps(size, reps) + 1) for m in (modes if r % 2 else modes[::-1])]
-        cpu0 = _cpu_s(proc.pid)
+        whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
+        # Interleaved, in alternating order: every mode and the raw baseline see the same noise,
+        # none always goes first.
+        kinds = (*modes, "raw")
+        order = [(r, m) for r in range(_reps(size, reps) + 1) for m in (kinds if r % 2 else kinds[::-1])]
+        cpu = 0.0
         for r, mode in order:
+            if mode == "raw":
+                raw_times[(size, r)] = raw.send(whole)
+                continue
+            cpu0 = _cpu_s(proc.pid)
             rid = f"{transport}-{variant}-{mode}-{size}-{r}"
             toks, hashes = prompt_of(n)
             t0 = time.perf_counter()
@@ -359,7 +459,9 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                 raise RuntimeError(f"{rid}: {handle.error}")
             export_times[rid] = t1 - t0
             totals[rid] = time.perf_counter() - t0
-        cpu_ms[size] = 1e3 * (_cpu_s(proc.pid) - cpu0) / len(order)
+            cpu += _cpu_s(proc.pid) - cpu0
+        cpu_ms[size] = 1e3 * cpu / (len(order) - len(order) // len(kinds))
+    raw.close()
     ctrl_q.put("stop")
     recv = result_q.get(timeout=60)
     proc.join(30)
@@ -382,6 +484,11 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                      # Streamed (zmq): checksums and landing overlap the wire, so the parts overlap too.
                      "breakdown_s": {"pack": export_times[rid], "check_and_land": land,
                                      "wire_and_ack": t - export_times[rid] - (0.0 if streamed else land)}})
+        # This transport against the raw baseline sent beside it (PairedRaw): the median over
+        # repetitions of raw seconds / this mode's seconds, i.e. the throughput ratio.
+        rows[-1]["paired_vs_raw"] = statistics.median(
+            raw_times[(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
+            for r in range(1, _reps(size, reps) + 1))
         if mode == "token" and "off" in modes:
             # Each repetition's two transfers ran back to back: the median of their ratios is what
             # the machine's noise (shared, bursty) disturbs least.
@@ -531,6 +638,7 @@ def main() -> int:
         print(f"{r['transport']:8s} {r.get('security', ''):11s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
               f"({100 * r['vs_raw_zmq']:5.1f}% of raw zmq"
               + (f", {100 * r['vs_raw_grpc']:5.1f}% of raw grpc)" if "vs_raw_grpc" in r else ")")
+              + (f"  paired with its raw baseline: {100 * r['paired_vs_raw']:5.1f}%" if "paired_vs_raw" in r else "")
               + (f"  CPU {r['cpu_ms_per_transfer']:.1f} ms" if "cpu_ms_per_transfer" in r else "")
               + (f"  pack {r['breakdown_s']['pack'] * 1e3:.1f} ms, wire+ack "
                  f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "

@@ -46,9 +46,10 @@ PHASES = [  # (name, seconds, rate, prompt tokens, output tokens)
 # cooldown_s (9) apart. Before them the forecast must let go of the output-heavy phase (10-40 s
 # here), and the decode correction learnt while six workers shared two cores (1.5-2x) must come
 # down, which takes blocks of the quiet phase's finished requests; two local runs were back at
-# one 31 and 35 s after the load. The loop stops as soon as they are, so the allowance costs
-# nothing.
-AFTER_S = 90
+# one 31 and 35 s after the load, one later run 21 s; but a CI run on a slow stretch of this
+# shared host still had decode at two replicas 90 s after it. The loop stops as soon as both are
+# at one, so the allowance costs nothing when they shrink in time.
+AFTER_S = 150
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +139,8 @@ def test_planner_grows_and_shrinks_the_right_pools(config):
     assert first_up["decode"] == "outputs", report  # then long outputs grow the decode pool
     assert peak("decode", {"outputs", "quiet"}) >= 2, report
     last = timeline[-1][2]
+    if last != {"prefill": 1, "decode": 1}:  # the whole story, which pytest's assertion report truncates
+        print("timeline:", report, "\nlate decisions:", *late_decisions(timeline), sep="\n")
     assert last == {"prefill": 1, "decode": 1}, (report[-20:], late_decisions(timeline))  # and both shrink back
     decision = json.loads(timeline[-1][3])["decision"]
     assert decision["reasons"] and decision["inputs"]["predicted"], decision
@@ -152,5 +155,5 @@ def late_decisions(timeline: list) -> list:
             continue
         seen, inputs = decision.get("at_s"), decision["inputs"]
         out.append((round(t), decision["desired"], round(inputs["rate_planned"], 2), round(inputs["rate_decode"], 2),
-                    decision["reasons"]["decode"][:40]))
+                    decision["reasons"]["decode"][:80]))
     return out
