@@ -53,7 +53,9 @@ static inline float hsum(vf v) {
 /* AVX-512 rounds and scales by 2^j in one instruction each (vrndscaleps, vscalefps): the prompt
  * attention kernel ran 3% faster than with the portable version below. */
 static inline vf vexp2(vf x) {
-    const __m512 v = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-126.f)), _mm512_set1_ps(126.f));
+    /* The clamp's operands in this order pass a NaN through (min/max return their second operand
+     * when either is NaN), as the portable version does. */
+    const __m512 v = _mm512_min_ps(_mm512_set1_ps(126.f), _mm512_max_ps(_mm512_set1_ps(-126.f), (__m512)x));
     const __m512 j = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(v, j);
     __m512 p = _mm512_set1_ps(1.5403530e-4f);
