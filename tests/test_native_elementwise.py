@@ -60,3 +60,15 @@ def test_row_argmax_lse_matches_torch(rows, cols):
     tokens, lse = argmax_lse(wide[:, :cols])
     assert tokens.tolist() == torch.argmax(wide[:, :cols], dim=-1).tolist()
     torch.testing.assert_close(lse, torch.logsumexp(wide[:, :cols], dim=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_row_log_sum_exp_keeps_nan_and_far_below_the_maximum():
+    """simd.h's exp at its edges: a NaN logit makes the row's log-sum-exp NaN, as torch's (a clamp
+    that swallowed it would report a finite logprob); logits far below the row's maximum add
+    nothing (their exp is clamped, never a denormal)."""
+    logits = torch.zeros(2, 64)
+    logits[0, 40] = float("nan")
+    logits[1, 1:] = -1000.0
+    _, lse = argmax_lse(logits)
+    assert torch.isnan(lse[0]) and torch.isnan(torch.logsumexp(logits, dim=-1)[0])
+    torch.testing.assert_close(lse[1], torch.tensor(0.0), atol=1e-6, rtol=0)
