@@ -66,7 +66,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
 
     # ---- receiving (its own thread: checks and copies never stall the decode loop) --------------
     def _receive_loop(self) -> None:
-        lower_thread_priority(self.rt.cfg.process.io_nice)  # checks and copies give way to the engine
+        lower_thread_priority(self.rt.cfg.process.kv_nice)  # checks and copies give way to the engine
         while not self._stop.is_set():
             try:
                 # Wakes as soon as KV arrives; the timeout only paces expiry of stalled transfers

@@ -62,7 +62,7 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         # The sender runs on a thread of its own: hashing leaves the event loop, and an
         # acknowledgement wakes the waiting handler at once (no sleep-and-look loop).
         self.shipper = SenderLoop(sender, name="kv-sender",
-                                  on_start=lambda: lower_thread_priority(rt.cfg.process.io_nice))
+                                  on_start=lambda: lower_thread_priority(rt.cfg.process.kv_nice))
         self.bytes_sent = 0
 
     def close(self) -> None:

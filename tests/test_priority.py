@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdcommon.client import make_request
+from pdcommon.config import ProcessSection
 from pdcommon.priority import lower_thread_priority
 from tests.cluster_utils import ProcessCluster
 
@@ -28,9 +29,9 @@ def _threads(pid: int) -> dict[int, tuple[int, int]]:
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_serving_threads_yield_to_the_engine(stories_path, tmp_path):
-    base = os.getpriority(os.PRIO_PROCESS, 0)
-    if base > 19 - 10:
-        pytest.skip("this test already runs at a nice value too high to raise by 10")
+    base, io_nice = os.getpriority(os.PRIO_PROCESS, 0), ProcessSection().io_nice
+    if base > 19 - io_nice:
+        pytest.skip(f"this test already runs at a nice value too high to raise by {io_nice}")
     c = ProcessCluster(stories_path, tmp_path, prefill=1, decode=1)
     try:
         pids = {name: p.pid for name, p in c.procs.items()}
@@ -42,7 +43,7 @@ def test_serving_threads_yield_to_the_engine(stories_path, tmp_path):
         for name, pid in pids.items():
             after = _threads(pid)
             # The main thread runs the event loop (asyncio.run) of a standalone component.
-            assert after[pid][0] == base + 10, f"{name}: event loop at nice {after[pid][0]}, not {base + 10}"
+            assert after[pid][0] == base + io_nice, f"{name}: event loop at nice {after[pid][0]}, not {base + io_nice}"
             if name == "router":
                 continue
             # The engine thread did nearly all of the work of these requests: it kept its priority.
