@@ -137,13 +137,6 @@ def _raw_grpc_server():
     return server, f"127.0.0.1:{port}"
 
 
-def _raw_grpc_receiver(addr_q, ctrl_q) -> None:
-    server, addr = _raw_grpc_server()
-    addr_q.put(({"off": addr}, ""))
-    ctrl_q.get()
-    server.stop(0)
-
-
 def _raw_zmq_echo(ctx, stop) -> tuple[str, str]:
     """The ZeroMQ baseline beside a transport's receiver: PULL each message, PUSH its first part
     back (a one-message acknowledgement). Returns (where to push, where to pull the acks)."""
@@ -166,11 +159,12 @@ def _raw_zmq_echo(ctx, stop) -> tuple[str, str]:
     return f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}"
 
 
-class PairedRaw:
-    """The raw baseline, sent from the transport rows' own loop between their transfers, to a
-    baseline endpoint in the receiver's process: each repetition's transport transfers and its
-    raw one run back to back, so that this host's speed swings (2x, second to second) hit both,
-    where rows measured minutes apart compared the host's state as much as the transports."""
+class RawBaseline:
+    """The sending side of a raw baseline (to _raw_grpc_server or _raw_zmq_echo in the receiver's
+    process): the raw rows, and the transport rows' paired baseline, sent from their own loop
+    between their transfers, so that each repetition's transport transfers and its raw one run
+    back to back and this host's speed swings (2x, second to second) hit both, where rows
+    measured minutes apart compared the host's state as much as the transports."""
 
     def __init__(self, transport: str, addrs: dict) -> None:
         import zmq
@@ -189,18 +183,18 @@ class PairedRaw:
             self.push.connect(addrs["raw"][0])
             self.pull.connect(addrs["raw"][1])
 
-    def send(self, whole: memoryview) -> float:
+    def send(self, whole: memoryview, step: int | None = None) -> float:
         """Seconds for one transfer of `whole`, in the transport's own pieces: gRPC chunks, each
-        copied to bytes (gRPC takes only bytes), or one zero-copy ZeroMQ message per frame
-        (transfer.max_frame_bytes), each acknowledged. As one message, 256 MiB moved at half the
-        rate: ZeroMQ's receiver takes a message whole."""
+        copied to bytes (gRPC takes only bytes), or one zero-copy ZeroMQ message per `step` bytes
+        (default: a frame, transfer.max_frame_bytes), each acknowledged. As one message, 256 MiB
+        moved at half the rate: ZeroMQ's receiver takes a message whole."""
         from transfer.grpc_transport import CHUNK
 
         t0 = time.perf_counter()
         if self.transport == "grpc":
             self.call(iter([bytes(whole[i:i + CHUNK]) for i in range(0, whole.nbytes, CHUNK)]), timeout=120)
         else:
-            step = _frame_bytes()
+            step = step or _frame_bytes()
             for i in range(0, whole.nbytes, step):
                 self.push.send_multipart([b"raw", whole[i:i + step]], copy=False)
             for _ in range(0, whole.nbytes, step):
@@ -216,25 +210,14 @@ class PairedRaw:
             self.zctx.term()
 
 
-def _raw_grpc_rows(addr: str, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
-    import grpc
-
-    from transfer.grpc_transport import _OPTIONS, CHUNK
-
-    rows = []
-    with grpc.insecure_channel(addr, options=_OPTIONS) as ch:
-        call = ch.stream_unary(RAW_GRPC_METHOD)
-        for size in sizes:
-            n = size * (1 << 20) // block_nbytes
-            whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-            best = float("inf")
-            for r in range(_reps(size, reps) + 1):
-                t0 = time.perf_counter()
-                call(iter([bytes(whole[i:i + CHUNK]) for i in range(0, whole.nbytes, CHUNK)]), timeout=120)
-                if r:
-                    best = min(best, time.perf_counter() - t0)
-            rows.append({"transport": "raw_grpc", "mib": size, "seconds": best,
-                         "gb_per_s": n * block_nbytes / best / 1e9})
+def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
+    raw, rows = RawBaseline("grpc", addrs), []
+    for size in sizes:
+        n = size * (1 << 20) // block_nbytes
+        whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
+        best = min([raw.send(whole) for _ in range(_reps(size, reps) + 1)][1:])  # the first warms up
+        rows.append({"transport": "raw_grpc", "mib": size, "seconds": best, "gb_per_s": n * block_nbytes / best / 1e9})
+    raw.close()
     return rows
 
 
@@ -250,20 +233,18 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, cu
     from transfer import make_receiver, verify
 
     torch.set_num_threads(1)
-    if transport == "raw_grpc":
-        _raw_grpc_receiver(addr_q, ctrl_q)
-        return
-    if transport == "raw":
-        ctx = zmq.Context()
-        pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        port = pull.bind_to_random_port("tcp://127.0.0.1")
-        addr_q.put(({"off": f"tcp://127.0.0.1:{port}"}, ""))
-        push.connect(ctrl_q.get())
-        while True:
-            parts = pull.recv_multipart(copy=False)
-            if parts[0].bytes == b"stop":
-                break
-            push.send(parts[0].bytes)
+    if transport in ("raw", "raw_grpc"):  # the baseline endpoint alone
+        stop = threading.Event()
+        server = None
+        if transport == "raw_grpc":
+            server, raw = _raw_grpc_server()
+        else:
+            raw = _raw_zmq_echo(zmq.Context(), stop)
+        addr_q.put(({"raw": raw}, ""))
+        ctrl_q.get()
+        stop.set()
+        if server is not None:
+            server.stop(0)
         return
     kv = make_pool(pool_blocks, fill=False)
     timings: dict[str, dict] = {}
@@ -357,8 +338,6 @@ def _reps(mib: int, reps: int) -> int:
 def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = "plain") -> list[dict]:
     """variant: plain (security off and token, interleaved), curve (zmq), tls (grpc) or shm (zmq from
     a pool in shared memory, which the receiver maps: frames by reference), token only."""
-    import zmq
-
     from engine import KVExport
     from prefill_worker.kv_export import pack_export
     from transfer import SenderLoop, TransferState, make_sender
@@ -379,45 +358,30 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                        args=(transport, addr_q, ctrl_q, result_q, max_blocks, variant == "curve", certs_dir))
     proc.start()
     addrs, peer_key = addr_q.get(timeout=60)
-    addr = addrs["off"]
     rows = []
     if transport == "raw_grpc":
-        rows = _raw_grpc_rows(addr, kv, block_nbytes, sizes, reps)
+        rows = _raw_grpc_rows(addrs, kv, block_nbytes, sizes, reps)
         ctrl_q.put("stop")
         proc.join(30)
         return rows
     if transport == "raw":
-        zctx = zmq.Context()
-        push, pull = zctx.socket(zmq.PUSH), zctx.socket(zmq.PULL)
-        back = pull.bind_to_random_port("tcp://127.0.0.1")
-        ctrl_q.put(f"tcp://127.0.0.1:{back}")
-        push.connect(addr)
-        frame_bytes = 16 << 20
+        raw = RawBaseline("zmq", addrs)
         for size in sizes:
             n = size * (1 << 20) // block_nbytes
-            whole = kv.frames(list(range(n)), 1 << 40)[0][0]
-            parts = [whole[i:i + frame_bytes] for i in range(0, whole.nbytes, frame_bytes)]
-            best = float("inf")
+            whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
             cpu0 = _cpu_s(proc.pid)
             # The baseline is the better of one message and one message per 16 MiB frame (ours),
             # each kind repeated as often as a transport's rows are (_reps): with 2-3 of each, its
-            # best at 1 MiB ranged 1.0-2.5 GB/s from run to run on this host.
-            for r in range(2 * _reps(size, reps) + 2):
-                t0 = time.perf_counter()
-                if r % 2:
-                    for k, part in enumerate(parts):
-                        push.send_multipart([f"{size}-{r}-{k}-{len(parts)}".encode(), part], copy=False)
-                    for _ in parts:
-                        pull.recv()
-                else:
-                    push.send_multipart([f"{size}-{r}".encode(), whole], copy=False)
-                    pull.recv()
-                if r >= 2:  # the first of each kind warms the connection
-                    best = min(best, time.perf_counter() - t0)
+            # best at 1 MiB ranged 1.0-2.5 GB/s from run to run on this host. The first of each
+            # kind warms the connection.
+            times = [raw.send(whole, whole.nbytes if r % 2 == 0 else 16 << 20)
+                     for r in range(2 * _reps(size, reps) + 2)]
+            best = min(times[2:])
             rows.append({"transport": "raw_zmq", "mib": size, "seconds": best,
                          "gb_per_s": n * block_nbytes / best / 1e9,
                          "cpu_ms_per_transfer": 1e3 * (_cpu_s(proc.pid) - cpu0) / (2 * _reps(size, reps) + 2)})
-        push.send_multipart([b"stop"])
+        raw.close()
+        ctrl_q.put("stop")
         proc.join(30)
         return rows
     tls = tls_credentials(certs_dir)
@@ -430,7 +394,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     export_times: dict[str, float] = {}
     cpu_ms: dict[int, float] = {}  # both processes' CPU per transfer, all modes of a size together
     totals: dict[str, float] = {}
-    raw = PairedRaw(transport, addrs)
+    raw = RawBaseline(transport, addrs)
     raw_times: dict[tuple[int, int], float] = {}
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
@@ -484,7 +448,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                      # Streamed (zmq): checksums and landing overlap the wire, so the parts overlap too.
                      "breakdown_s": {"pack": export_times[rid], "check_and_land": land,
                                      "wire_and_ack": t - export_times[rid] - (0.0 if streamed else land)}})
-        # This transport against the raw baseline sent beside it (PairedRaw): the median over
+        # This transport against the raw baseline sent beside it (RawBaseline): the median over
         # repetitions of raw seconds / this mode's seconds, i.e. the throughput ratio.
         rows[-1]["paired_vs_raw"] = statistics.median(
             raw_times[(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
