@@ -5,17 +5,28 @@ on the 50M benchmark model:
 1. `pdserve profile` of the pool's engine (the disaggregated one with its KV transfer);
 2. `pdserve up`, then the saturation rate: 32 requests of 512 in / 64 out sent at once,
    completed requests per second;
-3. `pdserve bench` at 30%, 60% and 80% of that rate (Poisson, 512 / 64, about a minute each),
-   with SLOs from the profile: TTFT 3x its unloaded 512-token prefill, TPOT 2x its batch-1 ITL;
-4. the simulator on the same workload (rate, count, lengths, SLOs) with the fresh profile, the
-   median of five Poisson schedules: as profiled, and calibrated by how much slower a served step
-   is than the profile's, measured with five requests sent one at a time (served TTFT over the
-   profile's prefill, served TPOT over its ITL: `--step-scale` of `pdserve simulate`), and what
-   eight streams at once add per sequence beyond that (`--seq-overhead-ms`).
+3. `pdserve bench` at 30%, 60% and 80% of that rate (Poisson, 512 / 64, about a minute each,
+   `--repeats` times each, going round the loads), with SLOs from the profile: TTFT 3x its
+   unloaded 512-token prefill, TPOT 2x its batch-1 ITL;
+4. the simulator on each measured run's own arrival times, lengths and SLOs, with the fresh
+   profile as it is ("predicted_uncalibrated"), and calibrated ("predicted") by two things:
+   - the served speed against the profile's: the profile is timed once, minutes before, on a
+     host whose speed swings by tens of percent from minute to minute. PROBE single requests,
+     one at a time, before each run (compared or calibration) give served TTFT over the
+     profile's prefill and served TPOT over its ITL; one probe swings as much as the host, so
+     the scale is the median over all of the shape's probes (`--step-scale` of `pdserve
+     simulate`);
+   - the serving stack's CPU per sequence and step (`--seq-overhead-ms`): on these two cores the
+     router, the client and the workers' RPC threads take that CPU from the engine, and near
+     saturation it compounds into TPOT. It is fitted on separate runs, eight streams at once
+     (CALIBRATION_RUNS of 16 requests, none of them a compared load):
+     the value at which the simulator, replaying each run's own send times, gives the TPOT p50
+     that run measured; the median of the runs' values.
 
-Writes bench/out/sim_fidelity.json: per shape and load, measured and predicted TTFT p50/p90,
-TPOT p50/p90 and goodput, and predicted / measured. Target: every ratio within 0.8-1.2.
-Run: .venv/bin/python bench/sim_fidelity.py [--shapes disagg,colocated] [--seconds 60]
+Writes bench/out/sim_fidelity.json: per shape and load, the medians over the repeats of measured
+and predicted TTFT p50/p90, TPOT p50/p90 and goodput, predicted / measured, and every run.
+Target: every ratio within 0.8-1.2.
+Run: .venv/bin/python bench/sim_fidelity.py [--shapes disagg,colocated] [--seconds 60] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -24,10 +35,13 @@ import argparse
 import asyncio
 import json
 import math
+import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -36,6 +50,9 @@ OUT = ROOT / "bench" / "out"
 MODEL = OUT / "llama-50m"
 PROMPT, OUTPUT = 512, 64
 BATCH = 8
+LOADS = (0.3, 0.6, 0.8)  # of the measured saturation rate
+CALIBRATION_RUNS = 5
+PROBE = 4  # single requests that measure the host's speed before each run
 SHAPES = {
     "disagg": {"mode": "disaggregated", "engine": {"num_threads": 1}, "prefill": {"replicas": 1},
                "decode": {"replicas": 1}, "ports": (50081, 8003, 50082)},
@@ -68,31 +85,87 @@ def bench(router: str, rate: float, n: int, slo_ms: tuple[float, float], seed: i
     from pdserve.loadgen import Load, Workload, run_benchmark
 
     load = Load(rate if rate > 0 else math.inf, "poisson", concurrency, 0)
-    report = asyncio.run(run_benchmark(router, Workload(n, PROMPT, OUTPUT, 0.0, 0, seed), load, "grpc", *slo_ms,
-                                       progress=False))
-    return report["summary"]
+    return asyncio.run(run_benchmark(router, Workload(n, PROMPT, OUTPUT, 0.0, 0, seed), load, "grpc", *slo_ms,
+                                     progress=False))
 
 
-def simulate(prof_path: Path, mode: str, rate: float, n: int, slo_ms: tuple[float, float], seed: int,
-             scale: tuple[float, float, float] = (1.0, 1.0, 0.0)) -> dict:
+def metrics(ttft: list[float], tpot: list[float], good: int, n: int, rate: float) -> dict:
+    """The compared figures, computed the same way for a measured and a simulated run (seconds;
+    percentiles interpolated, as `pdserve bench` reports them; goodput as attainment x rate)."""
+    def pct(v: list[float], q: float) -> float:
+        return float(np.percentile(v, q)) if v else math.nan
+
+    return {"ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "tpot_p50_s": pct(tpot, 50),
+            "tpot_p90_s": pct(tpot, 90), "goodput": good / n * rate, "attainment": good / n}
+
+
+def measured(report: dict, rate: float) -> dict:
+    reqs = [r for r in report["requests"] if r["ok"]]
+    return metrics([r["ttft"] for r in reqs], [r["tpot"] for r in reqs if r["output_len"] > 1],
+                   report["summary"]["goodput_requests"], len(report["requests"]), rate)
+
+
+def simulate(prof_path: Path, mode: str, starts: list[float], rate: float, slo_ms: tuple[float, float],
+             scale: tuple[float, float] = (1.0, 1.0), seq_overhead_s: float = 0.0) -> dict:
+    """The simulator on the measured run's own arrival times (the same workload, not another
+    Poisson draw of it: at 80% load, queueing differs more between draws than the 20% asked)."""
     from pdcommon.step_cost import StepCostModel
     from pdserve.sim.cluster import SimSettings
+    from pdserve.sim.report import met
     from pdserve.sim.search import simulate as run
-    from pdserve.sim.traces import poisson
+    from pdserve.sim.traces import TraceRequest
     from router.planner import Slos, StaticPlanner
 
     prof = StepCostModel.load(prof_path)
     split = {"prefill": 1, "decode": 1} if mode == "disaggregated" else {"colocated": 1}
     settings = SimSettings(profile=prof, mode=mode, slos=Slos(slo_ms[0] / 1e3, slo_ms[1] / 1e3, 3.0, 2.0),
-                           routing="least_loaded", seed=seed, prefill_scale=scale[0], decode_scale=scale[1],
-                           seq_overhead_s=scale[2])
-    runs = [run(poisson(rate, n, PROMPT, OUTPUT, seed=s), settings, StaticPlanner(split), split)[1]
-            for s in range(seed, seed + 5)]  # five schedules: the measured run is one draw of many
-    return {k: sorted(r[k] for r in runs)[2] for k in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s",
-                                                        "goodput", "attainment")}
+                           routing="least_loaded", prefill_scale=scale[0], decode_scale=scale[1],
+                           seq_overhead_s=seq_overhead_s)
+    trace = [TraceRequest(t, PROMPT, OUTPUT) for t in sorted(starts)]
+    reqs = run(trace, settings, StaticPlanner(split), split)[0].requests
+    done = [r for r in reqs if r.finish is not None]
+    return metrics([r.first - r.arrival for r in done], [(r.finish - r.first) / (r.output_len - 1) for r in done],
+                   sum(met(r) for r in reqs), len(reqs), rate)
 
 
-def run_shape(name: str, seconds: float, tmp: Path) -> dict:
+def probe(router: str, prof_path: Path, mode: str, slo_ms: tuple[float, float], seed: int) -> tuple[float, float]:
+    """The host's speed just now: PROBE single requests, one at a time; served TTFT over the
+    profile's prefill and served TPOT over its batch-1 ITL (less the KV transfer's share)."""
+    from pdcommon.step_cost import StepCostModel
+
+    prof = StepCostModel.load(prof_path)
+    got = bench(router, 0.0, PROBE, slo_ms, seed, concurrency=1)["summary"]
+    xfer = prof.transfer_seconds(PROMPT) / (OUTPUT - 1) if mode == "disaggregated" else 0.0
+    itl = sum(prof.itl_seconds(1, PROMPT + 1 + k) for k in range(OUTPUT - 1)) / (OUTPUT - 1)
+    return (got["ttft_ms"]["p50"] / 1e3 / prof.prefill_seconds(PROMPT),
+            max(got["tpot_ms"]["p50"] / 1e3 - xfer, 1e-6) / itl)
+
+
+def fit_overhead(prof_path: Path, mode: str, starts: list[float], tpot_s: float, slo_ms: tuple[float, float],
+                 scale: tuple[float, float]) -> float:
+    """The per-sequence step overhead at which the simulated run gives the measured TPOT p50
+    (bisection: the simulated TPOT grows with it); 0 when the profile alone already gives more."""
+    def tpot(x: float) -> float:
+        return simulate(prof_path, mode, starts, 1.0, slo_ms, scale, x)["tpot_p50_s"]
+
+    lo, hi = 0.0, 0.005
+    if tpot(lo) >= tpot_s:
+        return 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if tpot(mid) < tpot_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _median(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def _ratio(pred: dict, meas: dict) -> dict:
+    return {k: (pred[k] / v if v else None) for k, v in meas.items()}
+
+
+def run_shape(name: str, seconds: float, repeats: int, tmp: Path) -> dict:
     from serve import Server
 
     from pdcommon.step_cost import StepCostModel
@@ -104,67 +177,78 @@ def run_shape(name: str, seconds: float, tmp: Path) -> dict:
     slo_ms = (3e3 * prof.prefill_seconds(PROMPT), 2e3 * prof.itl_seconds(1, PROMPT + OUTPUT // 2))
     port, http, _ = SHAPES[name]["ports"]
     router = f"127.0.0.1:{port}"
-    rows = []
+    mode = SHAPES[name]["mode"]
+    runs: dict[float, list[dict]] = {frac: [] for frac in LOADS}
     with Server(f"{sys.executable} -m pdserve.cli up --config {cfg}", f"http://127.0.0.1:{http}"):
         bench(router, 0.0, 8, slo_ms, 99)  # warm-up
-        alone = bench(router, 0.0, 5, slo_ms, 97, concurrency=1)  # one at a time: the calibration
-        eight = bench(router, 0.0, 16, slo_ms, 96, concurrency=BATCH)  # and eight streams at once
-        sat = bench(router, 0.0, 32, slo_ms, 98)["request_throughput"]
-        for frac in (0.3, 0.6, 0.8):
-            rate = frac * sat
-            n = max(30, round(rate * seconds))
-            # A fresh seed per load: the same prompts again would hit the prefix cache.
-            measured = bench(router, rate, n, slo_ms, 10 + round(frac * 10))
-            rows.append({"load": frac, "rate": rate, "requests": n, "measured": {
-                "ttft_p50_s": measured["ttft_ms"]["p50"] / 1e3, "ttft_p90_s": measured["ttft_ms"]["p90"] / 1e3,
-                "tpot_p50_s": measured["tpot_ms"]["p50"] / 1e3, "tpot_p90_s": measured["tpot_ms"]["p90"] / 1e3,
-                "goodput": measured["goodput_requests"] / n * rate,
-                "attainment": measured["goodput_requests"] / n}})
-            print(name, frac, rows[-1]["measured"], flush=True)
-    # Calibration from the one-at-a-time requests: how much slower a served step is than the
-    # profile's (the engine alone); the simulator is run with and without it.
-    xfer = prof.transfer_seconds(PROMPT) / (OUTPUT - 1) if SHAPES[name]["mode"] == "disaggregated" else 0.0
-    itl = sum(prof.itl_seconds(1, PROMPT + 1 + k) for k in range(OUTPUT - 1)) / (OUTPUT - 1)
-    prefill_scale = alone["ttft_ms"]["p50"] / 1e3 / prof.prefill_seconds(PROMPT)
-    decode_scale = max(alone["tpot_ms"]["p50"] / 1e3 - xfer, 1e-6) / itl
-    # Eight streams: what their TPOT has beyond eight sequences' scaled step is the stack's
-    # per-sequence cost (each streamed token takes CPU from the engine on these cores).
-    itl8 = sum(prof.itl_seconds(BATCH, PROMPT + 1 + k) for k in range(OUTPUT - 1)) / (OUTPUT - 1)
-    per_seq = max(0.0, (eight["tpot_ms"]["p50"] / 1e3 - xfer - decode_scale * itl8) / BATCH)
-    scale = (prefill_scale, decode_scale, per_seq)
-    for row in rows:
-        for tag, sc in (("predicted", scale), ("predicted_uncalibrated", (1.0, 1.0, 0.0))):
-            row[tag] = simulate(prof_path, SHAPES[name]["mode"], row["rate"], row["requests"], slo_ms, 1, sc)
-        row["ratio"] = {k: (row["predicted"][k] / v if v else None) for k, v in row["measured"].items()}
-        row["ratio_uncalibrated"] = {k: (row["predicted_uncalibrated"][k] / v if v else None)
-                                     for k, v in row["measured"].items()}
+        # The calibration runs: eight streams at once, each with its own prompts and probe.
+        calib, probes = [], []
+        for k in range(CALIBRATION_RUNS):
+            probes.append(probe(router, prof_path, mode, slo_ms, 80 + k))
+            calib.append(bench(router, 0.0, 16, slo_ms, 90 + k, concurrency=BATCH))
+        sat = bench(router, 0.0, 32, slo_ms, 98)["summary"]["request_throughput"]
+        # Repeats go round the loads (30, 60, 80, 30, ...): the host's speed drifts by the minute,
+        # and each load should see its share of the slow and the fast stretches.
+        for rep in range(repeats):
+            for frac in LOADS:
+                rate = frac * sat
+                n = max(30, round(rate * seconds))
+                probes.append(probe(router, prof_path, mode, slo_ms, 1000 + 100 * rep + round(frac * 10)))
+                # A fresh seed per run: the same prompts again would hit the prefix cache.
+                report = bench(router, rate, n, slo_ms, 10 + round(frac * 10) + 100 * rep)
+                runs[frac].append({"seed": 10 + round(frac * 10) + 100 * rep, "rate": rate, "requests": n,
+                                   "probe": probes[-1],
+                                   "starts": [r["start"] for r in report["requests"]],
+                                   "measured": measured(report, rate)})
+                print(name, frac, rep, runs[frac][-1]["measured"], flush=True)
+    scale = (statistics.median(p for p, _ in probes), statistics.median(d for _, d in probes))
+    fits = [fit_overhead(prof_path, mode, [r["start"] for r in c["requests"]],
+                         c["summary"]["tpot_ms"]["p50"] / 1e3, slo_ms, scale) for c in calib]
+    per_seq = statistics.median(fits)
+    rows = []
+    for frac, got in runs.items():
+        for r in got:
+            r["predicted"] = simulate(prof_path, mode, r["starts"], r["rate"], slo_ms, scale, per_seq)
+            r["predicted_uncalibrated"] = simulate(prof_path, mode, r["starts"], r["rate"], slo_ms)
+        row = {"load": frac, "rate": got[0]["rate"], "requests": got[0]["requests"],
+               **{k: _median([r[k] for r in got]) for k in ("measured", "predicted", "predicted_uncalibrated")},
+               "runs": got}
+        row["ratio"] = _ratio(row["predicted"], row["measured"])
+        row["ratio_uncalibrated"] = _ratio(row["predicted_uncalibrated"], row["measured"])
         row["within_20pct"] = all(r is not None and 0.8 <= r <= 1.2 for k, r in row["ratio"].items()
                                   if k != "attainment")
-    return {"saturation_rate": sat, "slo_ms": slo_ms, "profile": str(prof_path), "step_scale": scale,
-            "alone": {"ttft_ms_p50": alone["ttft_ms"]["p50"], "tpot_ms_p50": alone["tpot_ms"]["p50"]},
-            "eight_streams_tpot_ms_p50": eight["tpot_ms"]["p50"], "rows": rows}
+        rows.append(row)
+    return {"saturation_rate": sat, "slo_ms": slo_ms, "profile": str(prof_path), "repeats": repeats,
+            "step_scale": scale, "probes": probes, "seq_overhead_s": per_seq, "seq_overhead_fits_s": fits,
+            "calibration": [{"tpot_ms_p50": c["summary"]["tpot_ms"]["p50"],
+                             "starts": [r["start"] for r in c["requests"]]} for c in calib],
+            "rows": rows}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="disagg,colocated")
-    ap.add_argument("--seconds", type=float, default=60.0, help="about how long each load runs")
+    ap.add_argument("--seconds", type=float, default=60.0, help="about how long each run of a load takes")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each load (their medians are compared)")
     args = ap.parse_args()
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes.split(","):
-            result[name] = run_shape(name, args.seconds, Path(tmp))
+            result[name] = run_shape(name, args.seconds, args.repeats, Path(tmp))
     OUT.mkdir(exist_ok=True)
     (OUT / "sim_fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
     for name, res in result.items():
         print(f"{name}: saturation {res['saturation_rate']:.2f} req/s, SLOs TTFT {res['slo_ms'][0]:.0f} ms, "
-              f"TPOT {res['slo_ms'][1]:.1f} ms; served steps / profile: prefill {res['step_scale'][0]:.2f}, "
-              f"decode {res['step_scale'][1]:.2f}, + {res['step_scale'][2] * 1e3:.2f} ms per sequence")
+              f"TPOT {res['slo_ms'][1]:.1f} ms; served / profile: prefill {res['step_scale'][0]:.2f}, decode "
+              f"{res['step_scale'][1]:.2f}; the stack's overhead: {res['seq_overhead_s'] * 1e3:.2f} ms per "
+              f"sequence and step (fits: {', '.join(f'{x * 1e3:.2f}' for x in res['seq_overhead_fits_s'])})")
         for row in res["rows"]:
-            r = {k: "n/a" if v is None else f"{v:.2f}" for k, v in row["ratio"].items()}
-            print(f"  {row['load']:.0%} ({row['rate']:.2f} req/s): predicted/measured TTFT p50 {r['ttft_p50_s']} "
-                  f"p90 {r['ttft_p90_s']}, TPOT p50 {r['tpot_p50_s']} p90 {r['tpot_p90_s']}, goodput "
-                  f"{r['goodput']} -> {'ok' if row['within_20pct'] else 'OFF'}")
+            for tag in ("ratio", "ratio_uncalibrated"):
+                r = {k: "n/a" if v is None else f"{v:.2f}" for k, v in row[tag].items()}
+                head = f"  {row['load']:.0%} ({row['rate']:.2f} req/s)" if tag == "ratio" else "   uncalibrated"
+                print(f"{head}: predicted/measured TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']}, TPOT p50 "
+                      f"{r['tpot_p50_s']} p90 {r['tpot_p90_s']}, goodput {r['goodput']}"
+                      + (f" -> {'ok' if row['within_20pct'] else 'OFF'}" if tag == "ratio" else ""))
     return 0
 
 
