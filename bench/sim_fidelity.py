@@ -40,8 +40,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pdcommon.step_cost import StepCostModel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -105,18 +109,16 @@ def measured(report: dict, rate: float) -> dict:
                    report["summary"]["goodput_requests"], len(report["requests"]), rate)
 
 
-def simulate(prof_path: Path, mode: str, starts: list[float], rate: float, slo_ms: tuple[float, float],
+def simulate(prof: StepCostModel, mode: str, starts: list[float], rate: float, slo_ms: tuple[float, float],
              scale: tuple[float, float] = (1.0, 1.0), seq_overhead_s: float = 0.0) -> dict:
     """The simulator on the measured run's own arrival times (the same workload, not another
     Poisson draw of it: at 80% load, queueing differs more between draws than the 20% asked)."""
-    from pdcommon.step_cost import StepCostModel
     from pdserve.sim.cluster import SimSettings
     from pdserve.sim.report import met
     from pdserve.sim.search import simulate as run
     from pdserve.sim.traces import TraceRequest
     from router.planner import Slos, StaticPlanner
 
-    prof = StepCostModel.load(prof_path)
     split = {"prefill": 1, "decode": 1} if mode == "disaggregated" else {"colocated": 1}
     settings = SimSettings(profile=prof, mode=mode, slos=Slos(slo_ms[0] / 1e3, slo_ms[1] / 1e3, 3.0, 2.0),
                            routing="least_loaded", prefill_scale=scale[0], decode_scale=scale[1],
@@ -128,12 +130,9 @@ def simulate(prof_path: Path, mode: str, starts: list[float], rate: float, slo_m
                    sum(met(r) for r in reqs), len(reqs), rate)
 
 
-def probe(router: str, prof_path: Path, mode: str, slo_ms: tuple[float, float], seed: int) -> tuple[float, float]:
+def probe(router: str, prof: StepCostModel, mode: str, slo_ms: tuple[float, float], seed: int) -> tuple[float, float]:
     """The host's speed just now: PROBE single requests, one at a time; served TTFT over the
     profile's prefill and served TPOT over its batch-1 ITL (less the KV transfer's share)."""
-    from pdcommon.step_cost import StepCostModel
-
-    prof = StepCostModel.load(prof_path)
     got = bench(router, 0.0, PROBE, slo_ms, seed, concurrency=1)["summary"]
     xfer = prof.transfer_seconds(PROMPT) / (OUTPUT - 1) if mode == "disaggregated" else 0.0
     itl = sum(prof.itl_seconds(1, PROMPT + 1 + k) for k in range(OUTPUT - 1)) / (OUTPUT - 1)
@@ -141,12 +140,12 @@ def probe(router: str, prof_path: Path, mode: str, slo_ms: tuple[float, float], 
             max(got["tpot_ms"]["p50"] / 1e3 - xfer, 1e-6) / itl)
 
 
-def fit_overhead(prof_path: Path, mode: str, starts: list[float], tpot_s: float, slo_ms: tuple[float, float],
+def fit_overhead(prof: StepCostModel, mode: str, starts: list[float], tpot_s: float, slo_ms: tuple[float, float],
                  scale: tuple[float, float]) -> float:
     """The per-sequence step overhead at which the simulated run gives the measured TPOT p50
     (bisection: the simulated TPOT grows with it); 0 when the profile alone already gives more."""
     def tpot(x: float) -> float:
-        return simulate(prof_path, mode, starts, 1.0, slo_ms, scale, x)["tpot_p50_s"]
+        return simulate(prof, mode, starts, 1.0, slo_ms, scale, x)["tpot_p50_s"]
 
     lo, hi = 0.0, 0.005
     if tpot(lo) >= tpot_s:
@@ -184,7 +183,7 @@ def run_shape(name: str, seconds: float, repeats: int, tmp: Path) -> dict:
         # The calibration runs: eight streams at once, each with its own prompts and probe.
         calib, probes = [], []
         for k in range(CALIBRATION_RUNS):
-            probes.append(probe(router, prof_path, mode, slo_ms, 80 + k))
+            probes.append(probe(router, prof, mode, slo_ms, 80 + k))
             calib.append(bench(router, 0.0, 16, slo_ms, 90 + k, concurrency=BATCH))
         sat = bench(router, 0.0, 32, slo_ms, 98)["summary"]["request_throughput"]
         # Repeats go round the loads (30, 60, 80, 30, ...): the host's speed drifts by the minute,
@@ -193,23 +192,24 @@ def run_shape(name: str, seconds: float, repeats: int, tmp: Path) -> dict:
             for frac in LOADS:
                 rate = frac * sat
                 n = max(30, round(rate * seconds))
-                probes.append(probe(router, prof_path, mode, slo_ms, 1000 + 100 * rep + round(frac * 10)))
+                probes.append(probe(router, prof, mode, slo_ms, 1000 + 100 * rep + round(frac * 10)))
                 # A fresh seed per run: the same prompts again would hit the prefix cache.
-                report = bench(router, rate, n, slo_ms, 10 + round(frac * 10) + 100 * rep)
-                runs[frac].append({"seed": 10 + round(frac * 10) + 100 * rep, "rate": rate, "requests": n,
+                seed = 10 + round(frac * 10) + 100 * rep
+                report = bench(router, rate, n, slo_ms, seed)
+                runs[frac].append({"seed": seed, "rate": rate, "requests": n,
                                    "probe": probes[-1],
                                    "starts": [r["start"] for r in report["requests"]],
                                    "measured": measured(report, rate)})
                 print(name, frac, rep, runs[frac][-1]["measured"], flush=True)
     scale = (statistics.median(p for p, _ in probes), statistics.median(d for _, d in probes))
-    fits = [fit_overhead(prof_path, mode, [r["start"] for r in c["requests"]],
+    fits = [fit_overhead(prof, mode, [r["start"] for r in c["requests"]],
                          c["summary"]["tpot_ms"]["p50"] / 1e3, slo_ms, scale) for c in calib]
     per_seq = statistics.median(fits)
     rows = []
     for frac, got in runs.items():
         for r in got:
-            r["predicted"] = simulate(prof_path, mode, r["starts"], r["rate"], slo_ms, scale, per_seq)
-            r["predicted_uncalibrated"] = simulate(prof_path, mode, r["starts"], r["rate"], slo_ms)
+            r["predicted"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms, scale, per_seq)
+            r["predicted_uncalibrated"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms)
         row = {"load": frac, "rate": got[0]["rate"], "requests": got[0]["requests"],
                **{k: _median([r[k] for r in got]) for k in ("measured", "predicted", "predicted_uncalibrated")},
                "runs": got}
