@@ -48,8 +48,10 @@ if TYPE_CHECKING:
     from pdcommon.step_cost import StepCostModel
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+# The repository ahead of bench/, as the other bench scripts order them: bench/engine.py would
+# otherwise shadow the engine package (router.core imports it) until bench/serve.py re-inserts ROOT.
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "out"
 MODEL = OUT / "llama-50m"
 PROMPT, OUTPUT = 512, 64
