@@ -131,6 +131,23 @@ def test_observed_latency_corrects_the_profile():
     assert busy.correction["prefill"] == 1.0
 
 
+def test_prompts_that_shared_steps_teach_no_slow_profile():
+    """A light block whose prompts mostly came together (a cluster of seconds inside a quiet
+    interval, as the Azure code trace's): three in five shared their steps and took twice their
+    own prefill time, the rest ran alone at the profile's. The profile is right, and the
+    correction stays near 1 (the median's would be 2)."""
+    p = planner()
+    rng = random.Random(2)
+    one = profile()
+    for i in range(4):
+        obs = interval(i, 4, 1024, 32, rng)
+        done = [Finished(a.prompt_len, a.output_len, 0.0,
+                         (2 if k % 5 < 3 else 1) * one.prefill_seconds(a.prompt_len, 0, 2048), 0.02, 10.0, 10.0)
+                for k, a in enumerate(obs.arrivals)]
+        p.plan(Observation(obs.start_s, obs.end_s, obs.arrivals, done), {"prefill": 6, "decode": 2})
+    assert p.correction["prefill"] == pytest.approx(1.0, abs=0.1)
+
+
 def _decode_blocks(p: SlaPlanner, rate: float, sizes: list[int], slow: float = 3.0) -> None:
     """Intervals of 1024/256 requests whose TPOT is `slow` x the profile's ITL at batch 2,
     served by `sizes[i]` decode workers in interval i."""
@@ -406,8 +423,12 @@ def test_the_error_budget_spends_a_surplus_and_never_plans_above_the_target():
     assert few.aim == 0.9
     assert 0.6 <= spent.aim < 0.9 - 0.04 and plain.aim == 0.9
     assert ds[-1].inputs["attainment_window"] == 1.0
-    assert sum(ds[-1].recommended.values()) < sum(ds0[-1].recommended.values()), (ds[-1].recommended,
-                                                                                   ds0[-1].recommended)
+    # Each pool is sized for a lower goal, so never bigger. (Whether a whole worker less follows
+    # depends on where the models' attainment crosses the goal: on this load it did only by the
+    # last decision's rounding while the prefill correction was a median, and not with a quartile.)
+    for pool in ("prefill", "decode"):
+        assert spent.goal(pool) < plain.goal(pool) - 0.02
+        assert ds[-1].recommended[pool] <= ds0[-1].recommended[pool], (ds[-1].recommended, ds0[-1].recommended)
     missed, _ = _budget_run(3600.0, met=False)
     assert missed.aim == 0.9
 

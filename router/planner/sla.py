@@ -58,6 +58,9 @@ LIGHT_LOAD = 0.5  # utilization under which observed latency corrects the profil
 # requests, at most this far below the target.
 BUDGET_MIN_REQUESTS, BUDGET_MAX_SPEND = 200, 0.3
 SATURATED, MAX_BATCH = 0.8, 256  # decode demand over capacity past which a block teaches nothing
+# The prefill correction is this quantile of a light block's served / profiled prefill times: a
+# prompt that shared its steps with others was served for theirs too. See _correct.
+ALONE_QUANTILE = 0.25
 
 
 class SlaPlanner:
@@ -299,13 +302,16 @@ class SlaPlanner:
         rate = max(obs.rate, len(done) / obs.duration_s)
         busy = rate * pt.kept * self.correction["prefill"] * pt.service_mean / max(current.get("prefill", 1), 1)
         if busy < LIGHT_LOAD:
-            # The median request's: one that shared its steps with a burst's other prompts was
-            # served for theirs too (which the replay counts as its wait), and the mean of a
-            # bursty trace's took those for a slow profile (1.2-1.3x on the Azure code trace).
-            ratios = [max(f.ttft_s - f.queue_s, 0.0) / p for f in done
-                      if (p := prof_p.prefill_seconds(f.prompt_len, 0, chunk)) > 0]
+            # A prompt that shared its steps with other prompts was served for theirs too (which
+            # the replay counts as its wait): the lower quartile's, the requests that ran alone.
+            # A light block's mean load can hide a burst within it: on the Azure code trace (its
+            # requests come in clusters of seconds) the mean took those for a slow profile
+            # (1.2-1.3x), and the median still learned 1.40 from the block after the burst at
+            # 14 minutes, which then held 107 prefill workers (static: 52) for a quarter of an hour.
+            ratios = sorted(max(f.ttft_s - f.queue_s, 0.0) / p for f in done
+                            if (p := prof_p.prefill_seconds(f.prompt_len, 0, chunk)) > 0)
             if ratios:
-                self._blend("prefill", statistics.median(ratios))
+                self._blend("prefill", ratios[int(ALONE_QUANTILE * (len(ratios) - 1))])
         if not multi or not current.get("decode") or saturated:
             return
         tpot = statistics.fmean(f.tpot_s for f in multi)
