@@ -249,3 +249,14 @@ def test_sized_split_sizes_prefill_for_the_bursts_a_static_split_must_absorb():
     sized = sized_split(reqs, settings, 0.9)
     best = best_static(reqs, settings, 0.9, sized)["split"]
     assert 0.8 * best["prefill"] <= sized["prefill"] <= 1.25 * best["prefill"], (sized, best)
+
+
+def test_sized_split_sizes_decode_for_the_rate_its_requests_meet_in_bursts():
+    """The decode pool too: its batches live through a burst, so sized at the busy minute's rate
+    as Poisson arrivals it had 5 workers where the best static split has 13, and the planner
+    started short of the first burst."""
+    settings = SimSettings(profile=profile())
+    reqs = bursty(4.0, 1200, 128, 256, cv=8.0, seed=1)
+    sized = sized_split(reqs, settings, 0.9)
+    best = best_static(reqs, settings, 0.9, sized)["split"]
+    assert 0.8 * best["decode"] <= sized["decode"] <= 1.25 * best["decode"], (sized, best)
