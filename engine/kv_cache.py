@@ -45,6 +45,10 @@ class KVCache:
         else:
             self.data = torch.zeros(shape, dtype=DTYPES[dtype], device=device)
         self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(spec.num_layers)]
+        # The CPU pool's bytes, made once: `frames` and `land` slice them. Through torch, each
+        # call's slice, reshape, view and numpy() cost 50-55 us on a thread just woken (a
+        # transfer wakes several), where a memoryview slice costs a few.
+        self._bytes = memoryview(self.data.view(-1).view(torch.uint8).numpy()) if device.type == "cpu" else None
 
     def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = self.num_blocks * self.layout.block_nbytes
@@ -68,7 +72,9 @@ class KVCache:
 
     def memory(self) -> memoryview:
         """The whole pool's bytes (CPU only)."""
-        return memoryview(self.data.view(-1).view(torch.uint8).numpy())
+        if self._bytes is None:
+            raise ValueError("a KV pool off the CPU has no host bytes")
+        return self._bytes
 
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: str) -> int:
@@ -79,15 +85,16 @@ class KVCache:
         """Byte views of the given blocks, one per run of consecutive ids (zero-copy on CPU; a GPU
         pool is staged through host memory). Valid while the blocks stay allocated, or for as
         long as they are held with `copy`."""
-        per_frame = max(1, max_frame_bytes // self.layout.block_nbytes)
+        bnb = self.layout.block_nbytes
+        per_frame = max(1, max_frame_bytes // bnb)
         views, counts = [], []
         for start, count in block_runs(block_ids, per_frame):
-            t = self.data[start:start + count]
-            if t.device.type != "cpu":
-                t = t.cpu()
-            elif copy:
-                t = t.clone()
-            views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            if self._bytes is not None and not copy:
+                views.append(self._bytes[start * bnb:(start + count) * bnb])
+            else:
+                t = self.data[start:start + count]
+                t = t.cpu() if t.device.type != "cpu" else t.clone()
+                views.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
             counts.append(count)
         return views, counts
 
@@ -99,11 +106,11 @@ class KVCache:
                              f"{self.layout.block_nbytes}")
         # One copy per run of consecutive destination blocks: a per-block copy costs ~8 us of
         # dispatch each, which was most of the landing time of a 256 MiB transfer.
-        if self.data.device.type == "cpu":
+        if self._bytes is not None:
             # A plain memcpy on the calling thread (a receiver's): a torch copy this large opens an
             # OpenMP region, and a thread that does gets an OpenMP team of its own, which slows the
             # engine's steps (pdcommon/engine_loop.py says how).
-            src_bytes, pool = memoryview(buf).cast("B"), self.data.view(-1).view(torch.uint8).numpy()
+            src_bytes, pool = memoryview(buf).cast("B"), self._bytes
             bnb, j = self.layout.block_nbytes, 0
             for start, count in block_runs(block_ids, n):
                 pool[start * bnb:(start + count) * bnb] = src_bytes[j * bnb:(j + count) * bnb]
