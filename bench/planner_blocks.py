@@ -32,7 +32,7 @@ from pdcommon.step_cost import StepCostModel  # noqa: E402
 from pdserve.sim.cluster import SimResult, SimSettings  # noqa: E402
 from pdserve.sim.command import default_profile, parse_trace  # noqa: E402
 from pdserve.sim.report import met  # noqa: E402
-from pdserve.sim.search import best_static, run_planner, scale_trace, settings_from, simulate, sized_split  # noqa: E402
+from pdserve.sim.search import best_static, run_planner, scale_to_workers, settings_from, simulate, sized_split  # noqa: E402
 from router.planner import StaticPlanner  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -76,8 +76,7 @@ def main() -> int:
     cfg = PlannerSection(mode="sla", profile=str(default_profile()), prefill=unbounded, decode=unbounded)
     settings = settings_from(cfg, SimSettings(profile=StepCostModel.load(default_profile())))
     reqs = parse_trace(args.trace)
-    start = sized_split(reqs, settings, cfg.target_attainment)
-    reqs = scale_trace(reqs, args.workers / sum(start.values()), 0)
+    reqs, _ = scale_to_workers(reqs, settings, cfg.target_attainment, args.workers)
     start = sized_split(reqs, settings, cfg.target_attainment)
     planned, planner = run_planner(reqs, settings, cfg, start)
     if args.static:

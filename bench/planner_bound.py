@@ -29,7 +29,7 @@ from pdcommon.config import PlannerSection, PoolLimits  # noqa: E402
 from pdcommon.step_cost import StepCostModel  # noqa: E402
 from pdserve.sim.cluster import SimSettings  # noqa: E402
 from pdserve.sim.command import default_profile, parse_trace  # noqa: E402
-from pdserve.sim.search import best_static, scale_trace, settings_from, simulate, sized_split  # noqa: E402
+from pdserve.sim.search import best_static, scale_to_workers, settings_from, simulate, sized_split  # noqa: E402
 from router.planner import StaticPlanner  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -86,7 +86,7 @@ def main() -> int:
                        budget=2048, routing="prefix_aware", seed=0)
     settings = settings_from(planner, base)
     reqs = parse_trace(args.trace)
-    reqs = scale_trace(reqs, args.workers / sum(sized_split(reqs, settings, args.target).values()), 0)
+    reqs, _ = scale_to_workers(reqs, settings, args.target, args.workers)
     static = best_static(reqs, settings, args.target, sized_split(reqs, settings, args.target), cache={})
     split = static["split"]
     other = "decode" if args.vary == "prefill" else "prefill"

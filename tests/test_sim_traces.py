@@ -78,13 +78,13 @@ def test_pool_models_match_the_simulator_on_the_mooncake_trace():
     from pdcommon.step_cost import StepCostModel
     from pdserve.sim.cluster import SimSettings
     from pdserve.sim.command import default_profile
-    from pdserve.sim.search import mean_rate, pool_model, scale_trace, simulate, sized_split
+    from pdserve.sim.search import mean_rate, pool_model, scale_to_workers, simulate
     from router.planner import Arrival, StaticPlanner
     from router.planner.arrivals import arrival_cv2
 
     settings = SimSettings(profile=StepCostModel.load(default_profile()))
     reqs = load_trace(_need("conversation_trace.jsonl"))
-    reqs = scale_trace(reqs, 64 / sum(sized_split(reqs, settings, 0.9).values()), 0)
+    reqs, _ = scale_to_workers(reqs, settings, 0.9, 64)
     rate, pm, dm = mean_rate(reqs), *pool_model(settings)
     sample = [Arrival(r.prompt_len, r.output_len, 0, r.arrival_s) for r in reqs]
     pm.arrival_cv2 = arrival_cv2(sample)

@@ -12,7 +12,7 @@ from pdcommon.config import PlannerSection, PoolLimits, load_config
 from pdcommon.step_cost import StepCostModel
 from pdserve.sim import traces
 from pdserve.sim.cluster import SimSettings
-from pdserve.sim.search import compare, lengths, mean_rate, scale_trace, settings_from, simulate, sized_split
+from pdserve.sim.search import compare, lengths, mean_rate, scale_to_workers, scale_trace, settings_from, simulate
 from router.planner import StaticPlanner
 
 DEFAULT_PROFILE = "llama-50m.json"  # the benchmark model, 1 thread per worker, ZeroMQ transfer
@@ -79,9 +79,8 @@ def run(args) -> dict:
         reqs = [r for r in reqs if r.arrival_s < args.duration]
     factor = args.scale or 1.0
     if args.workers:
-        base = sized_split(reqs, settings, planner.target_attainment)
-        factor = args.workers / max(sum(base.values()), 1)
-    if factor != 1.0:
+        reqs, factor = scale_to_workers(reqs, settings, planner.target_attainment, args.workers, args.seed)
+    elif factor != 1.0:
         reqs = scale_trace(reqs, factor, args.seed)
     info = {"source": args.trace, "requests": len(reqs), "duration_s": reqs[-1].arrival_s - reqs[0].arrival_s,
             "mean_rate": mean_rate(reqs), "scale_factor": factor, **lengths(reqs),

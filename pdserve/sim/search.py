@@ -41,6 +41,14 @@ def scale_trace(reqs: list[TraceRequest], factor: float, seed: int = 0) -> list[
     return out
 
 
+def scale_to_workers(reqs: list[TraceRequest], settings: SimSettings, target: float, workers: int,
+                     seed: int = 0) -> tuple[list[TraceRequest], float]:
+    """The trace scaled to load about `workers` workers (`--workers N`): by N over the sizing
+    model's split for it (sized_split). Returns the scaled trace and the factor."""
+    factor = workers / max(sum(sized_split(reqs, settings, target).values()), 1)
+    return scale_trace(reqs, factor, seed), factor
+
+
 def pool_model(settings: SimSettings) -> tuple[PoolModel, PoolModel]:
     decode = settings.decode_profile or settings.profile
     max_kv = decode.kv_capacity_tokens
