@@ -35,6 +35,7 @@ Writes bench/out/transfer.json. Run: .venv/bin/python bench/transfer.py [--quick
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import multiprocessing as mp
@@ -482,21 +483,21 @@ def security_summary(rows: list[dict]) -> list[dict]:
 
 
 def ttft_split(quick: bool) -> list[dict]:
-    """TTFT and the second token's wait after 128- and 2048-token prompts, 1P+1D in-process, the
-    KV streamed and whole. Both clusters are up together and take each prompt in turn (the
-    order alternating), so that the two see the same state of this machine, whose speed moves
-    about 2x from one minute to the next."""
+    """TTFT and the second token's wait after 128- and 2048-token prompts, 1P+1D as `pdserve up`
+    runs it on one host (router in the `up` process, each worker a process of its own), the KV
+    streamed and whole. The clusters are up together and take each prompt in turn (the order
+    alternating), so that they see the same state of this machine, whose speed moves about 2x
+    from one minute to the next. (In one process, as this ran before, the three clusters' six
+    engine and event-loop threads shared one GIL, which the served product never does.)"""
     from contextlib import ExitStack
 
     from model_factory import build_bench_model, random_prompt
 
     from pdcommon.client import RouterClient, make_request
-    from pdcommon.config import load_config
-    from pdserve.launch.inprocess import InProcessCluster
 
     path = build_bench_model()
     # Streamed: the prefill pool's default 512-token chunks, each one's KV shipped while the next
-    # is computed (transfer.stream_min_bytes); whole: one chunk, the KV after the first token,
+    # is computed (transfer.stream_min_bytes); whole: one chunk, the KV with the first token,
     # from the prefill pool's shared memory (transfer.shared_memory, the default) or over the socket.
     kinds = {"streamed": {"transfer.stream_min_bytes": 1 << 20, "transfer.shared_memory": False},
              "whole": {"transfer.stream_min_bytes": 0},
@@ -505,12 +506,11 @@ def ttft_split(quick: bool) -> list[dict]:
     with ExitStack() as stack:
         clients = {}
         for kind, overrides in kinds.items():
-            cfg = load_config(None, **{"model": str(path), "router.port": 0, "router.http_port": None,
-                                       "engine.num_threads": 2, "engine.max_num_batched_tokens": 4096,
-                                       "engine.kv_cache_memory_bytes": 512 << 20, "heartbeat.interval_s": 1.0,
-                                       **overrides})
-            cluster = stack.enter_context(InProcessCluster(cfg))
-            clients[kind] = stack.enter_context(RouterClient(cluster.address))
+            address = stack.enter_context(_process_cluster({
+                "model": str(path), "router.http_port": None, "engine.num_threads": 2,
+                "engine.max_num_batched_tokens": 4096, "engine.kv_cache_memory_bytes": 512 << 20,
+                "heartbeat.interval_s": 1.0, **overrides}))
+            clients[kind] = stack.enter_context(RouterClient(address))
             for w in range(2):  # warm-up (the first maps the prefill pool where shared)
                 clients[kind].generate(make_request(random_prompt(64, seed=1 + w), max_tokens=2))
         for n in (128, 2048):
@@ -526,6 +526,40 @@ def ttft_split(quick: bool) -> list[dict]:
                      "second_gap_over_itl_median": statistics.median(s["second_token_gap"] / s["itl_p50"]
                                                                      for s in runs)})
     return rows
+
+
+@contextlib.contextmanager
+def _process_cluster(overrides: dict):
+    """`pdserve up --launcher process` with these config values; yields the router's address."""
+    import signal
+    import subprocess
+    import tempfile
+    import threading
+
+    import yaml
+
+    from pdcommon.config import load_config
+
+    # Free ports (router.port 0 frees the control and token ports too), written out as chosen.
+    cfg = load_config(None, **{"router.port": 0, **overrides}).model_dump(mode="json")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdbench-", delete=False) as f:
+        yaml.safe_dump(cfg, f)
+    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--launcher", "process", "--config", f.name],
+                          cwd=Path(__file__).resolve().parent.parent,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready = next((line for line in up.stdout if "router ready at grpc://" in line), None)
+        if ready is None:
+            raise RuntimeError(f"pdserve up exited ({up.wait()}) before its router was ready")
+        threading.Thread(target=up.stdout.read, daemon=True).start()  # a full pipe would stall it
+        yield ready.split("grpc://")[1].split()[0]
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        os.unlink(f.name)
 
 
 def _second_token(client, request) -> dict:

@@ -207,7 +207,8 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         try:
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=True, num_held_blocks=held,
                                                                  free_blocks=self._free_blocks()))
-            first = self._first_local(rid, q) if local else self._first_imported(rid, request, context, q)
+            first = self._first_local(rid, q) if local else \
+                self._first_imported(rid, request, context, q, direct is not None)
             async for msg in first:
                 yield msg
                 finished = msg.HasField("tokens") and bool(msg.tokens.finish_reason) \
@@ -245,8 +246,10 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         yield wpb.DecodeResponse(first=first_token_to_proto(out, out.prefill_s))
 
     async def _first_imported(self, rid: str, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext,
-                              q: asyncio.Queue):
-        """Wait for the KV, commit the sequence; the first message carries the transfer's figures."""
+                              q: asyncio.Queue, direct: bool):
+        """Wait for the KV, commit the sequence; the first message carries the transfer's figures,
+        and, unless tokens go direct (the engine thread sends them, the first one too), the
+        first decoded token."""
         timeout = request.transfer_timeout_s or self.rt.cfg.transfer.timeout_s
         try:
             meta, nbytes, took = await asyncio.wait_for(self.pending[rid].arrived, timeout)
@@ -261,6 +264,9 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         if final is not None:
             yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(finish_reason=final.finish_reason or "stop",
                                                              text=final.text_delta, **kv))
+            return
+        if direct:
+            yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(**kv))
             return
         out, _ = await self.rt.engine_loop.next(q)
         yield wpb.DecodeResponse(tokens=tokens_to_proto([out], **kv))

@@ -124,14 +124,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | Seq[int], params: SamplingParams | None = None,
                     prefill_only: bool = False, resume: Seq[int] = (), stream_kv_from: int | None = None,
-                    max_frame_bytes: int = 4 << 20) -> str:
+                    max_frame_bytes: int = 4 << 20, kv_chunks: bool = True) -> str:
         """`stream_kv_from` (prefill-only): export the KV from this block on as the prompt is
-        computed, on the outputs (`kv_part`): each chunk's completed blocks as it finishes, and
-        the rest with the first token. A prefill worker ships the parts while later chunks are
-        computed, and has them without a call to this thread, which a running step would hold."""
+        computed, on the outputs (`kv_part`): each chunk's completed blocks as it finishes
+        (`kv_chunks`; copies), and the rest with the first token (zero-copy). A prefill worker
+        ships the parts while later chunks are computed, and has them without a call to this
+        thread, which a running step would hold; with kv_chunks False, the whole KV comes with
+        the first token, in the step that made it."""
         seq = self._new_seq(request_id, prompt, params, prefill_only, resume)
         if prefill_only and stream_kv_from is not None:
-            seq.kv_stream = (stream_kv_from, max_frame_bytes)
+            seq.kv_stream, seq.kv_chunks = (stream_kv_from, max_frame_bytes), kv_chunks
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -178,7 +180,8 @@ class LLMEngine:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.bm.cache_full_blocks(seq)
-            if seq.kv_stream is not None and seq.num_computed_tokens < len(seq.token_ids):  # a chunk, no token
+            chunk_done = seq.num_computed_tokens < len(seq.token_ids)  # a chunk, no token yet
+            if seq.kv_stream is not None and seq.kv_chunks and chunk_done:
                 part = self._export_chunk(seq)
                 if part is not None:
                     out = self._output(seq, [], [], "")

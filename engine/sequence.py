@@ -27,8 +27,10 @@ class Sequence:
     params: SamplingParams
     prefill_only: bool = False
     # Prefill-only, streaming its KV: (the first block not yet exported, frame size). Each chunk
-    # of the prompt exports the full blocks it completed; the first token's output the rest.
+    # of the prompt exports the full blocks it completed (unless kv_chunks is False); the first
+    # token's output the rest.
     kv_stream: tuple[int, int] | None = None
+    kv_chunks: bool = True
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     # The catch-up rule: the runner computes tokens until num_computed_tokens == len(token_ids).

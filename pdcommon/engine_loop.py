@@ -8,9 +8,9 @@ regions (it "throttles"). An engine loaded on one thread and stepped on another 
 behind: the 50M benchmark model's decode step took 12.1 ms against 7.1 ms on two cores, and a
 served stream's inter-token time was 1.6x the engine's own step.
 
-A stream opened with a `DirectStream` sends its middle outputs from the engine thread straight
-to the router (pdcommon/token_stream.py); only its first and last outputs, and any the socket
-cannot take, reach the event loop."""
+A stream opened with a `DirectStream` sends its outputs from the engine thread straight to the
+router (pdcommon/token_stream.py); only its last output, the first one of a prompt prefilled on
+this worker, and any the socket cannot take, reach the event loop."""
 
 from __future__ import annotations
 
@@ -171,12 +171,15 @@ class EngineLoop:
                 to_loop.append((out, None))
                 continue
             index = d.next_index
-            if not d.started:  # the first output carries figures only the gRPC message has
+            if not d.started:
                 d.started = True
-                if d.count_first:
-                    d.next_index += len(out.new_token_ids)
-                to_loop.append((out, index))
-                continue
+                if not d.count_first:  # prefilled here: the first output is the call's FirstToken
+                    to_loop.append((out, index))
+                    continue
+                # Imported KV: the transfer's figures went ahead on the call (DecodeService), and
+                # this first decoded token leaves from here, as the ones after it: through the
+                # event loop, which the next step's threads then compete with, it reached the
+                # router 3-4 ms after the step (the second-token gap of bench/transfer.py).
             d.next_index += len(out.new_token_ids)
             # The last output ends the gRPC stream; top logprobs have no place in a token message.
             if out.finished or any(out.new_top_logprobs):

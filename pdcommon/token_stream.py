@@ -7,9 +7,10 @@ step alone. Here the engine thread packs each output (msgpack, a keyed BLAKE2b t
 one ZeroMQ message per step to each router, whatever the number of streams: no event loop in
 the worker is involved per token. The router's PULL socket is read from its event loop's selector.
 
-What still rides the gRPC Decode stream: the reservation, the first message (the first token, or
-the transfer's figures), the last one (with the finish reason) and any error, so cancellation,
-disconnects and failover work as before. Every token message carries the index of its first
+What still rides the gRPC Decode stream: the reservation, the first message (the first token of
+a prompt prefilled there, or the KV transfer's figures, ahead of the first decoded token, which
+comes direct), the last one (with the finish reason) and any error, so cancellation, disconnects
+and failover work as before. Every token message carries the index of its first
 token in the stream, and the router puts both channels back in order.
 
 A message is accepted only for an open stream and only with that stream's key, which the router

@@ -113,11 +113,14 @@ class PrefillService(wrpc.PrefillWorkerServicer):
         tcfg = self.rt.cfg.transfer
         try:
             # Streaming, the engine hands over each chunk's KV and the rest with the first token;
-            # not (stream_min_bytes 0), the whole KV is exported after the first token.
-            stream_from = request.skip_blocks if self.rt.cfg.kv_stream_min_bytes else None
+            # not (stream_min_bytes 0), the whole KV with the first token, exported in the step
+            # that made it. Exported after the first token had gone, by a call to the engine
+            # thread, it left 0.5-4 ms later (bench/transfer.py's second-token gap).
+            streaming = bool(self.rt.cfg.kv_stream_min_bytes)
             try:
                 await loop.call(eng.add_request, rid, list(request.prompt_token_ids), params, True,
-                                list(request.resume_token_ids), stream_from, tcfg.max_frame_bytes)
+                                list(request.resume_token_ids), request.skip_blocks, tcfg.max_frame_bytes,
+                                streaming)
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             out, _ = await loop.next(q)
@@ -125,13 +128,15 @@ class PrefillService(wrpc.PrefillWorkerServicer):
                 if out.kv_part is not None:
                     self._ship_part(request, out.kv_part, ship)
                 out, _ = await loop.next(q)
-            if out.kv_part is not None:
+            rest = merge_exports([*ship.held, out.kv_part]) if out.kv_part is not None else None
+            if rest is not None and streaming:
                 # The rest goes out before the first token: it is what the second token waits for.
-                self._send(request, merge_exports([*ship.held, out.kv_part]), ship)
+                self._send(request, rest, ship)
             yield wpb.PrefillResponse(first=first_token_to_proto(out, out.prefill_s))
-            if stream_from is None and not out.finished:
-                self._send(request, await loop.call(eng.export_kv, rid, request.skip_blocks, tcfg.max_frame_bytes),
-                           ship)
+            if rest is not None and not streaming:
+                # The whole KV right after the first token, which its packing and hashing (32 MiB
+                # for 2048 tokens of the 50M model) would otherwise hold back on two cores.
+                self._send(request, rest, ship)
             await self._settle(rid, ship)
         finally:
             # Cancelled, failed, or finished at its first token (the router then releases the

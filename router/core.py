@@ -270,8 +270,7 @@ class RouterCore:
                 if first:
                     self._release_prefill(st)  # the KV landed: the prefill worker's fate no longer matters
                     first = False
-                if tok.kv_transfer_bytes:
-                    st.transfer_s, st.transfer_bytes = tok.kv_transfer_s, tok.kv_transfer_bytes
+                self._kv_figures(st, tok)
                 self._tokens(st, len(tok.token_ids))
                 st.sent_ids.extend(tok.token_ids)
                 out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
@@ -280,6 +279,11 @@ class RouterCore:
                     yield self._finish(out, st, tok.finish_reason)
                     return
                 yield out
+
+    @staticmethod
+    def _kv_figures(st: RequestState, tok) -> None:
+        if tok.kv_transfer_bytes:
+            st.transfer_s, st.transfer_bytes = tok.kv_transfer_s, tok.kv_transfer_bytes
 
     async def _call_chunks(self, st: RequestState, lease: Lease):
         """Every token on the Decode call."""
@@ -303,6 +307,11 @@ class RouterCore:
             try:
                 while True:
                     msg = await self._read(st, lease.call, lease.worker)
+                    if msg is not grpc.aio.EOF and not msg.tokens.token_ids and not msg.tokens.finish_reason:
+                        # The KV's figures, ahead of the first token, which comes on the other
+                        # channel: not a chunk of the stream (an empty one would end it).
+                        self._kv_figures(st, msg.tokens)
+                        continue
                     q.put_nowait(msg.tokens if msg is not grpc.aio.EOF else msg)
                     if msg is grpc.aio.EOF or msg.tokens.finish_reason:
                         return

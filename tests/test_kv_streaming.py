@@ -46,6 +46,22 @@ def test_each_chunk_exports_the_blocks_it_completed_and_the_first_token_the_rest
         merge_exports([parts[0], parts[2]])
 
 
+def test_without_chunk_parts_the_whole_kv_comes_with_the_first_token_in_its_step(stories_path, story):
+    """kv_chunks=False (the prefill pool's default on CPU): the prompt is still computed in chunks,
+    but no chunk hands over a copy of its blocks; the output with the first token carries the whole
+    KV, zero-copy, as export_kv would after it."""
+    eng = LLMEngine(EngineConfig(model=stories_path, prefill_chunk_size=CHUNK))
+    eng.add_request("s", story[:250], SamplingParams(max_tokens=8, temperature=0), prefill_only=True,
+                    stream_kv_from=2, kv_chunks=False)
+    outs = []
+    while not any(o.new_token_ids for o in outs):
+        outs += eng.step()
+    assert len(outs) == 1 and outs[0].kv_part is not None, "a chunk handed over a part of its own"
+    rest = outs[0].kv_part
+    assert (rest.first_block, rest.num_blocks, rest.first_token) == (2, 14, outs[0].new_token_ids[0])
+    assert _flat(rest) == _flat(eng.export_kv("s", 2))
+
+
 def _reservation(header, held: int = 0) -> KVReservation:
     n = held + header.num_blocks
     return KVReservation("r", type("L", (), {"dtype": header.dtype, "block_shape": tuple(header.block_shape),

@@ -157,6 +157,23 @@ def test_a_cluster_streams_middle_tokens_direct_and_refuses_forged_ones(stories_
         cl.wait_idle()
 
 
+def test_the_first_decoded_token_comes_direct_and_the_transfer_figures_still_reach_the_client(stories_path):
+    """Three tokens: the prefill worker's, the first one decoded after the KV landed, and the
+    last (which ends the call). The second leaves from the decode engine thread like the middle
+    ones (through the event loop it reached the router milliseconds after its step), while the
+    transfer's figures go ahead on the call."""
+    with InProcessCluster(make_config(stories_path)) as cl, cl.client() as c:
+        inbox = cl.router.tokens
+        # The pusher's connection is made on its first send (which goes by gRPC): up before measuring.
+        c.generate(make_request("Once upon a time", max_tokens=8, ignore_eos=True))
+        before = inbox.received
+        out = c.generate(make_request("Once upon a time", max_tokens=3, ignore_eos=True))
+        assert len(out.token_ids) == 3 and out.finish_reason == "length"
+        assert inbox.received - before == 1, "the first decoded token did not come direct"
+        assert out.usage["kv_transfer_bytes"] > 0 and out.timings["kv_transfer"] > 0
+        cl.wait_idle()
+
+
 def test_one_message_per_step_carries_several_streams_each_checked_on_its_own():
     async def run() -> tuple[list, list, int, int]:
         inbox = TokenInbox("127.0.0.1", 0)
