@@ -10,6 +10,7 @@ comparison and for memory: "native", "both", "onednn", "mkl"."""
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -128,8 +129,9 @@ def tune(order: list[Linear], lm_head: Linear | None, max_rows: int, logits_rows
         source = "measured" if path is None else f"measured, merged with {starts} earlier starts"
         if path is not None:
             gemm_times.save(path, starts + 1, times)
+    routes: dict = {}  # every layer of a shape takes the same routes: worked out once
     for m in order:
-        _route(m, times.get(shape_name(m), {}))
+        _route(m, times.get(shape_name(m), {}), logits_rows if m is lm_head else max_rows, routes)
     return source
 
 
@@ -164,14 +166,17 @@ def _layers_at(probe: list[Linear], limits: dict[tuple, int], rows: int) -> list
     return layers
 
 
-def _route(m: Linear, by_rows: dict[int, dict[str, float]]) -> None:
-    """Route `m` by its shape's times, giving it the copies the routes need; a kernel whose copy
-    cannot be made here (times kept from a start that could build it) is left out."""
+def _route(m: Linear, by_rows: dict[int, dict[str, float]], top: int, known: dict | None = None) -> None:
+    """Route `m` by its shape's times (for row counts up to `top`, its largest call), giving it
+    the copies the routes need; a kernel whose copy cannot be made here (times kept from a start
+    that could build it) is left out. `known`: routes already worked out, by shape."""
     allowed = set(KERNEL_ORDER)
+    known = {} if known is None else known
     while True:
-        points = sorted(by_rows)
-        chosen = [pick({k: s for k, s in by_rows[p].items() if k in allowed}) for p in points]
-        bounds, kernels = routes_from(points, chosen) if chosen else ([UNBOUNDED], ["mkl"])
+        key = (shape_name(m), top, frozenset(allowed))
+        if key not in known:
+            known[key] = routes_for(by_rows, allowed, top) if by_rows else ([UNBOUNDED], ["mkl"])
+        bounds, kernels = known[key]
         _add_copies(m, kernels)
         missing = set(kernels) - set(m.kernels())
         if not missing:
@@ -222,27 +227,47 @@ def pick(times: dict[str, float]) -> str:
     return next(k for k in KERNEL_ORDER if k in times and times[k] <= fastest * MARGIN)
 
 
-def routes_from(points: list[int], chosen: list[str]) -> tuple[list[int], list[str]]:
-    """Bounds and kernels from the winner at each measured row count, runs of one kernel merged."""
+def routes_for(by_rows: dict[int, dict[str, float]], allowed: set[str], top: int) -> tuple[list[int], list[str]]:
+    """Bounds and kernels for every row count up to `top` (the last kernel serves all above),
+    runs of one kernel merged. A row count takes the times of its nearest measured one (point i
+    serves up to the geometric middle with point i + 1). From ONE_LAYER_ROWS on, where a GEMM's
+    time grows with the rows it computes, each kernel's time is scaled to the rows it runs: m for
+    MKL and the native kernel, gemm_rows(m) for oneDNN, which pads to a few shapes per doubling
+    (engine/linear.py). Without that, 513 rows and up went to oneDNN as measured at 1024, and a
+    516-row step (a 512-token chunk beside 4 decodes) ran as 576: the 50M model's step cost 1.12x
+    a 512-row one per token, where the native kernel runs its 516 rows at 512's rate."""
+    points = sorted(by_rows)
+    mids = [math.isqrt(a * b) for a, b in zip(points, points[1:], strict=False)]
     bounds: list[int] = []
     kernels: list[str] = []
-    for i, kern in enumerate(chosen):
-        bound = math.isqrt(points[i] * points[i + 1]) if i + 1 < len(chosen) else UNBOUNDED
+    for rows in range(1, max(top, points[-1]) + 1):
+        p = points[bisect.bisect_left(mids, rows)]
+        costs = {k: t * (_rows_run(k, rows) / p if rows >= ONE_LAYER_ROWS else 1.0)
+                 for k, t in by_rows[p].items() if k in allowed}
+        kern = pick(costs)
         if kernels and kernels[-1] == kern:
-            bounds[-1] = bound
+            bounds[-1] = rows
         else:
-            bounds.append(bound)
+            bounds.append(rows)
             kernels.append(kern)
+    bounds[-1] = UNBOUNDED
     return bounds, kernels
 
 
-def describe(m: Linear) -> str:
-    """Routes as text, e.g. "1 mkl, 2-32 onednn, 33+ mkl"."""
+def _rows_run(kernel: str, rows: int) -> int:
+    return gemm_rows(rows) if kernel == "onednn" else rows
+
+
+def describe(m: Linear, most: int = 6) -> str:
+    """Routes as text, e.g. "1 mkl, 2-32 onednn, 33+ mkl" (past `most` parts, the first ones and
+    a count: above a padded size's neighbourhood they alternate, two parts per oneDNN size)."""
     parts, low = [], 1
     for bound, kern in zip(m.route_bounds, m.route_kernels, strict=True):
         parts.append(f"{low}+ {kern}" if bound >= UNBOUNDED else f"{low} {kern}" if bound == low
                      else f"{low}-{bound} {kern}")
         low = bound + 1
+    if len(parts) > most:
+        parts = [*parts[:most - 1], f"... ({len(parts) - most + 1} more, to {parts[-1]})"]
     return ", ".join(parts)
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import gemm_plan, gemm_times
-from engine.gemm_plan import MARGIN, pick, routes_from, tune
-from engine.linear import UNBOUNDED, Linear
+from engine.gemm_plan import KERNEL_ORDER, MARGIN, pick, routes_for, tune
+from engine.linear import UNBOUNDED, Linear, gemm_rows
 
 
 class SlowOn(Linear):
@@ -33,10 +33,33 @@ def test_pick_prefers_the_cheaper_call_within_the_margin():
     assert pick({"onednn": 2.0, "native": 1.0}) == "native"
 
 
+def _times(winners: dict[int, str]) -> dict[int, dict[str, float]]:
+    """Times at each measured row count where `winner` is twice as fast as the rest."""
+    return {p: {k: (0.5 if k == w else 1.0) * p for k in ("mkl", "onednn")} for p, w in winners.items()}
+
+
 def test_routes_merge_runs_and_cover_every_row_count():
-    assert routes_from([1, 4, 16, 64], ["mkl", "onednn", "onednn", "mkl"]) == ([2, 32, UNBOUNDED],
-                                                                               ["mkl", "onednn", "mkl"])
-    assert routes_from([1], ["native"]) == ([UNBOUNDED], ["native"])
+    every = set(KERNEL_ORDER)
+    times = _times({1: "mkl", 4: "onednn", 16: "onednn", 64: "mkl"})
+    assert routes_for(times, every, 64) == ([2, 32, UNBOUNDED], ["mkl", "onednn", "mkl"])
+    assert routes_for({1: {"native": 1.0}}, every, 1) == ([UNBOUNDED], ["native"])
+
+
+def test_routes_count_the_rows_onednn_pads_to():
+    """oneDNN 5% faster than the native kernel at 1024 rows: it still loses the row counts it
+    pads by more than that (516 rows run as 576), and keeps those it runs as they are."""
+    times = {256: {"mkl": 2.0, "native": 1.0, "onednn": 1.2}, 1024: {"mkl": 8.0, "native": 4.2, "onednn": 4.0}}
+    bounds, kernels = routes_for(times, set(KERNEL_ORDER), 2048)
+
+    def kernel(rows: int) -> str:
+        return next(k for b, k in zip(bounds, kernels, strict=True) if rows <= b)
+
+    assert kernel(300) == "native"  # 256's winner
+    assert [kernel(r) for r in (516, 530, 1040)] == ["native"] * 3  # padded to 576, 576, 1152
+    assert [kernel(r) for r in (576, 1024, 1152, 2048)] == ["onednn"] * 4  # run as they are
+    for rows in range(513, 2049):  # everywhere above 512: the cheaper of the two, padding counted
+        cheaper = "onednn" if 4.0 * gemm_rows(rows) <= 4.2 * rows * MARGIN else "native"
+        assert kernel(rows) == cheaper, rows
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN beside MKL")
@@ -137,5 +160,5 @@ def test_a_kept_kernel_this_start_cannot_hold_is_left_out():
     (or a start where the compiler is gone): the routes use what the layer can hold."""
     m = Linear(8, 8, bias=False)  # below NATIVE_MIN_WEIGHT: no panels
     torch.nn.init.normal_(m.weight_t)
-    gemm_plan._route(m, {1: {"mkl": 2.0, "native": 1.0}, 16: {"mkl": 2.0, "onednn": 3.0, "native": 1.0}})
+    gemm_plan._route(m, {1: {"mkl": 2.0, "native": 1.0}, 16: {"mkl": 2.0, "onednn": 3.0, "native": 1.0}}, 16)
     assert m.route_kernels == ["mkl"] and m.kernels() == ("mkl",)
