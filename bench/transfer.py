@@ -507,7 +507,7 @@ def ttft_split(quick: bool) -> list[dict]:
         clients = {}
         for kind, overrides in kinds.items():
             address = stack.enter_context(_process_cluster({
-                "model": str(path), "router.http_port": None, "engine.num_threads": 2,
+                "model": str(path), "engine.num_threads": 2,
                 "engine.max_num_batched_tokens": 4096, "engine.kv_cache_memory_bytes": 512 << 20,
                 "heartbeat.interval_s": 1.0, **overrides}))
             clients[kind] = stack.enter_context(RouterClient(address))
@@ -530,36 +530,24 @@ def ttft_split(quick: bool) -> list[dict]:
 
 @contextlib.contextmanager
 def _process_cluster(overrides: dict):
-    """`pdserve up --launcher process` with these config values; yields the router's address."""
-    import signal
-    import subprocess
+    """`pdserve up --launcher process` with these config values, on free ports; bench/serve.py's
+    Server starts it, waits for it and stops its whole process group. Yields the router's address."""
     import tempfile
-    import threading
 
     import yaml
+    from serve import Server
 
     from pdcommon.config import load_config
+    from pdserve.launch.ports import free_port
 
-    # Free ports (router.port 0 frees the control and token ports too), written out as chosen.
-    cfg = load_config(None, **{"router.port": 0, **overrides}).model_dump(mode="json")
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdbench-", delete=False) as f:
-        yaml.safe_dump(cfg, f)
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--launcher", "process", "--config", f.name],
-                          cwd=Path(__file__).resolve().parent.parent,
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        ready = next((line for line in up.stdout if "router ready at grpc://" in line), None)
-        if ready is None:
-            raise RuntimeError(f"pdserve up exited ({up.wait()}) before its router was ready")
-        threading.Thread(target=up.stdout.read, daemon=True).start()  # a full pipe would stall it
-        yield ready.split("grpc://")[1].split()[0]
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        os.unlink(f.name)
+    ports = {name: free_port("127.0.0.1") for name in ("port", "http_port", "control_port", "token_port")}
+    cfg = load_config(None, **{f"router.{k}": v for k, v in ports.items()}, **overrides)
+    with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
+        path = Path(tmp) / "cluster.yaml"
+        path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        with Server(f"{sys.executable} -m pdserve.cli up --launcher process --config {path}",
+                    f"http://127.0.0.1:{ports['http_port']}"):
+            yield f"127.0.0.1:{ports['port']}"
 
 
 def _second_token(client, request) -> dict:
