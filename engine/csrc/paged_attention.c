@@ -99,11 +99,27 @@ static inline __attribute__((always_inline)) void task_vec(
     memset(acc + kh0 * groups * dim, 0, sizeof(float) * (kh1 - kh0) * groups * dim);
     for (int64_t blk = start / block_size; blk * block_size < len; ++blk) {
         const int64_t id = table[blk];
+        /* The sequence's next block lies anywhere in the pool, where no hardware prefetcher
+         * follows: its keys and values are prefetched (into L2) a share per KV head while this
+         * block is worked on, so their misses overlap this block's arithmetic. Measured on a
+         * 2-core AMD EPYC (AVX-512), the 50M model's 8 layers for 32 sequences of 192 tokens on
+         * scattered blocks: 7.1-8.1 -> 5.8-6.4 ms a step. The whole next block at once helped
+         * half as much; two blocks ahead, no more. */
+        const int64_t next = (blk + 1) * block_size < len ? table[blk + 1] : -1;
+        const int64_t share = (int64_t)block_size * token_stride * (int64_t)sizeof(float) / (kh1 - kh0);
         int lo, hi;
         block_span(blk, block_size, start, len, &lo, &hi);
         for (int kh = kh0; kh < kh1; ++kh) {
             const float *kb = k_cache + id * block_stride + kh * head_stride;
             const float *vb = v_cache + id * block_stride + kh * head_stride;
+            if (next >= 0) {
+                const char *nk = (const char *)(k_cache + next * block_stride) + (kh - kh0) * share;
+                const char *nv = (const char *)(v_cache + next * block_stride) + (kh - kh0) * share;
+                for (int64_t off = 0; off < share; off += 64) {
+                    __builtin_prefetch(nk + off, 0, 2);
+                    __builtin_prefetch(nv + off, 0, 2);
+                }
+            }
             for (int g = 0; g < groups; ++g) {
                 const int h = kh * groups + g;
                 vf q[NC];
