@@ -100,26 +100,22 @@ static inline __attribute__((always_inline)) void task_vec(
     for (int64_t blk = start / block_size; blk * block_size < len; ++blk) {
         const int64_t id = table[blk];
         /* The sequence's next block lies anywhere in the pool, where no hardware prefetcher
-         * follows: its keys and values are prefetched (into L2) a share per KV head while this
-         * block is worked on, so their misses overlap this block's arithmetic. Measured on a
-         * 2-core AMD EPYC (AVX-512), the 50M model's 8 layers for 32 sequences of 192 tokens on
-         * scattered blocks: 7.1-8.1 -> 5.8-6.4 ms a step. The whole next block at once helped
-         * half as much; two blocks ahead, no more. */
+         * follows. Its keys and values are prefetched into L2 while this block is worked on, a
+         * share per KV head, a few lines per value row (a burst of a share's 128 lines filled the
+         * miss buffers and stalled the loads behind it). Measured on a 2-core AMD EPYC
+         * (AVX-512), the 50M model's 8 layers for 32 sequences of 192 tokens on scattered
+         * blocks: 8.0-8.5 -> 5.2-5.7 ms a step (a share in one burst: 6.1-6.4 ms; two blocks
+         * ahead: no better). */
         const int64_t next = (blk + 1) * block_size < len ? table[blk + 1] : -1;
-        const int64_t share = (int64_t)block_size * token_stride * (int64_t)sizeof(float) / (kh1 - kh0);
+        const int64_t share = next < 0 ? 0 : (int64_t)block_size * token_stride * (int64_t)sizeof(float) / (kh1 - kh0);
         int lo, hi;
         block_span(blk, block_size, start, len, &lo, &hi);
         for (int kh = kh0; kh < kh1; ++kh) {
             const float *kb = k_cache + id * block_stride + kh * head_stride;
             const float *vb = v_cache + id * block_stride + kh * head_stride;
-            if (next >= 0) {
-                const char *nk = (const char *)(k_cache + next * block_stride) + (kh - kh0) * share;
-                const char *nv = (const char *)(v_cache + next * block_stride) + (kh - kh0) * share;
-                for (int64_t off = 0; off < share; off += 64) {
-                    __builtin_prefetch(nk + off, 0, 2);
-                    __builtin_prefetch(nv + off, 0, 2);
-                }
-            }
+            const char *pk = (const char *)(k_cache + (next < 0 ? 0 : next) * block_stride) + (kh - kh0) * share;
+            const char *pv = (const char *)(v_cache + (next < 0 ? 0 : next) * block_stride) + (kh - kh0) * share;
+            const char *const pend = pk + share;
             for (int g = 0; g < groups; ++g) {
                 const int h = kh * groups + g;
                 vf q[NC];
@@ -173,11 +169,23 @@ static inline __attribute__((always_inline)) void task_vec(
                 for (int t = lo; t < hi; ++t) {
                     const float p = sc[t - lo];
                     const float *vt = vb + t * token_stride;
+                    if (pk < pend) {
+                        __builtin_prefetch(pk, 0, 2);
+                        __builtin_prefetch(pk + 64, 0, 2);
+                        __builtin_prefetch(pv, 0, 2);
+                        __builtin_prefetch(pv + 64, 0, 2);
+                        pk += 128;
+                        pv += 128;
+                    }
 #pragma GCC unroll 16
                     for (int c = 0; c < NC; ++c) o[c] += p * vload(vt + c * VW);
                 }
 #pragma GCC unroll 16
                 for (int c = 0; c < NC; ++c) vstore(ah + c * VW, o[c]);
+            }
+            for (; pk < pend; pk += 64, pv += 64) { /* what the rows left (short blocks, few heads) */
+                __builtin_prefetch(pk, 0, 2);
+                __builtin_prefetch(pv, 0, 2);
             }
         }
     }
