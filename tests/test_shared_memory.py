@@ -18,7 +18,7 @@ from engine.model_meta import ModelSpec
 from pdcommon.client import make_request
 from tests.cluster_utils import InProcessCluster, make_config
 from transfer import TransferState, build_header, make_receiver, make_sender
-from transfer.shared_memory import BOOT_ID, RegionMaps, SharedRegion
+from transfer.shared_memory import BOOT_ID, REF, RegionMaps, SharedRegion, readonly_address
 
 # Linux only: memfd_create and the kernel's boot id are what the feature stands on.
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create") or not BOOT_ID, reason="needs memfd and a boot id")
@@ -150,7 +150,6 @@ def test_only_the_offered_memfd_itself_is_mapped():
     ref = region.ref(kv.frames([5], 1 << 20)[0][0])
     assert bytes(maps.frame(offer, ref)) == bytes(kv.frames([5], 1 << 20)[0][0])
     from transfer import TransferError
-    from transfer.shared_memory import REF
 
     with pytest.raises(TransferError, match="outside"):
         maps.frame(offer, REF.pack(region.nbytes - 8, 16))
@@ -159,6 +158,33 @@ def test_only_the_offered_memfd_itself_is_mapped():
     # A view outside the pool is not a reference.
     assert region.ref(memoryview(np.zeros(16, dtype=np.uint8))) is None
     os.fstat(kv.shared_fd)  # the pool's descriptor is untouched by the receiver's close
+
+
+def _resident_bytes(address: int) -> int:
+    """Rss of this process's mapping that starts at `address` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            rss = next(x for x in lines[i + 1:] if x.startswith("Rss:"))
+            return int(rss.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_a_mapped_region_is_populated_before_any_frame_is_read():
+    """A fresh mapping's pages fault in one at a time as they are first read (landing 32 MiB so
+    took 1.8x as long); the receiver maps them all in on a thread of its own once it maps."""
+    kv = _pool()
+    region = SharedRegion.of(kv.shared_fd, kv.memory())
+    maps = RegionMaps()
+    assert maps.map(region.offer)
+    head = maps.frame(region.offer, REF.pack(0, 16))  # a view: it reads nothing
+    base = readonly_address(head)
+    end = time.monotonic() + 10
+    while _resident_bytes(base) < region.nbytes and time.monotonic() < end:
+        time.sleep(0.01)
+    assert _resident_bytes(base) >= region.nbytes
+    head.release()
+    maps.close()
 
 
 @pytest.mark.parametrize("shared", [True, False])
