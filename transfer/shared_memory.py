@@ -27,7 +27,6 @@ pieces took 7.5-9.5 ms, 4 MiB ones 6.3-8.2 ms, mostly in messages.)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 import struct
@@ -43,7 +42,7 @@ IDLE_MAP_S = 60.0  # a receiver unmaps a region no transfer used this long (its 
 PIECE_BYTES = 4 << 20  # frames by reference are cut to this (at least one block)
 MADV_POPULATE_READ = 22  # Linux 5.14: map a range's pages in, as reading them would, in one call
 POPULATE_STEP = 64 << 20  # a mapping is populated this much per call (an unmap stops it in between)
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: libc's madvise among them
 _libc.madvise.argtypes, _libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
 
 
