@@ -170,6 +170,15 @@ def _resident_bytes(address: int) -> int:
     raise AssertionError(f"no mapping at {address:#x}")
 
 
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        got = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return got >= (major, minor)
+
+
+@pytest.mark.skipif(not _kernel_at_least(5, 14), reason="MADV_POPULATE_READ needs Linux 5.14")
 def test_a_mapped_region_is_populated_before_any_frame_is_read():
     """A fresh mapping's pages fault in one at a time as they are first read (landing 32 MiB so
     took 1.8x as long); the receiver maps them all in on a thread of its own once it maps."""
