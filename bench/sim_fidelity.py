@@ -21,7 +21,13 @@ on the 50M benchmark model:
      saturation it compounds into TPOT. It is fitted on separate runs, eight streams at once
      (CALIBRATION_RUNS of 16 requests, none of them a compared load):
      the value at which the simulator, replaying each run's own send times, gives the TPOT p50
-     that run measured; the median of the runs' values.
+     that run measured; the median of the runs' values;
+   - the prefill step's speed under load: a single request times a prompt alone, but under load
+     the decode worker, the router, the client and the KV transfer share the two cores with it
+     (1P+1D on this host: 512-token steps took 334 ms p50 at 60% load against 305 ms alone). The
+     factor on the probes' prefill scale at which the simulator, replaying PREFILL_CALIBRATION's
+     Poisson runs (at a load none of the compared ones runs at), gives their measured mean TTFT;
+     the median of the runs' factors.
 
 Writes bench/out/sim_fidelity.json: per shape and load, the medians over the repeats of measured
 and predicted TTFT p50/p90, TPOT p50/p90 and goodput, predicted / measured, and every run.
@@ -58,6 +64,7 @@ PROMPT, OUTPUT = 512, 64
 BATCH = 8
 LOADS = (0.3, 0.6, 0.8)  # of the measured saturation rate
 CALIBRATION_RUNS = 5
+PREFILL_CALIBRATION = (0.45, 2)  # load (of saturation) and runs of the loaded-prefill calibration
 PROBE = 4  # single requests that measure the host's speed before each run
 SHAPES = {
     "disagg": {"mode": "disaggregated", "engine": {"num_threads": 1}, "prefill": {"replicas": 1},
@@ -112,9 +119,10 @@ def measured(report: dict, rate: float) -> dict:
 
 
 def simulate(prof: StepCostModel, mode: str, starts: list[float], rate: float, slo_ms: tuple[float, float],
-             scale: tuple[float, float] = (1.0, 1.0), seq_overhead_s: float = 0.0) -> dict:
+             scale: tuple[float, float] = (1.0, 1.0), seq_overhead_s: float = 0.0) -> tuple[dict, float]:
     """The simulator on the measured run's own arrival times (the same workload, not another
-    Poisson draw of it: at 80% load, queueing differs more between draws than the 20% asked)."""
+    Poisson draw of it: at 80% load, queueing differs more between draws than the 20% asked):
+    the compared figures, and the mean TTFT (seconds)."""
     from pdserve.sim.cluster import SimSettings
     from pdserve.sim.report import met
     from pdserve.sim.search import simulate as run
@@ -128,8 +136,9 @@ def simulate(prof: StepCostModel, mode: str, starts: list[float], rate: float, s
     trace = [TraceRequest(t, PROMPT, OUTPUT) for t in sorted(starts)]
     reqs = run(trace, settings, StaticPlanner(split), split)[0].requests
     done = [r for r in reqs if r.finish is not None]
-    return metrics([r.first - r.arrival for r in done], [(r.finish - r.first) / (r.output_len - 1) for r in done],
-                   sum(met(r) for r in reqs), len(reqs), rate)
+    out = metrics([r.first - r.arrival for r in done], [(r.finish - r.first) / (r.output_len - 1) for r in done],
+                  sum(met(r) for r in reqs), len(reqs), rate)
+    return out, statistics.fmean(r.first - r.arrival for r in done) if done else math.nan
 
 
 def probe(router: str, prof: StepCostModel, mode: str, slo_ms: tuple[float, float], seed: int) -> tuple[float, float]:
@@ -147,7 +156,7 @@ def fit_overhead(prof: StepCostModel, mode: str, starts: list[float], tpot_s: fl
     """The per-sequence step overhead at which the simulated run gives the measured TPOT p50
     (bisection: the simulated TPOT grows with it); 0 when the profile alone already gives more."""
     def tpot(x: float) -> float:
-        return simulate(prof, mode, starts, 1.0, slo_ms, scale, x)["tpot_p50_s"]
+        return simulate(prof, mode, starts, 1.0, slo_ms, scale, x)[0]["tpot_p50_s"]
 
     lo, hi = 0.0, 0.005
     if tpot(lo) >= tpot_s:
@@ -155,6 +164,21 @@ def fit_overhead(prof: StepCostModel, mode: str, starts: list[float], tpot_s: fl
     for _ in range(30):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if tpot(mid) < tpot_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def fit_prefill(prof: StepCostModel, mode: str, starts: list[float], rate: float, ttft_mean_s: float,
+                slo_ms: tuple[float, float], scale: tuple[float, float], seq_overhead_s: float) -> float:
+    """The factor on the prefill scale at which the simulated run gives the measured mean TTFT
+    (bisection over 0.7-1.6: the simulated TTFT grows with it). The mean, not the median: at
+    these loads half the prompts wait and half do not, and the median jumps between the two."""
+    def ttft(x: float) -> float:
+        return simulate(prof, mode, starts, rate, slo_ms, (scale[0] * x, scale[1]), seq_overhead_s)[1]
+
+    lo, hi = 0.7, 1.6
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ttft(mid) < ttft_mean_s else (lo, mid)
     return (lo + hi) / 2
 
 
@@ -188,6 +212,13 @@ def run_shape(name: str, seconds: float, repeats: int, tmp: Path) -> dict:
             probes.append(probe(router, prof, mode, slo_ms, 80 + k))
             calib.append(bench(router, 0.0, 16, slo_ms, 90 + k, concurrency=BATCH))
         sat = bench(router, 0.0, 32, slo_ms, 98)["summary"]["request_throughput"]
+        frac, k_runs = PREFILL_CALIBRATION
+        loaded = []
+        for k in range(k_runs):
+            rate = frac * sat
+            report = bench(router, rate, max(30, round(rate * seconds)), slo_ms, 70 + k)
+            loaded.append({"rate": rate, "starts": [r["start"] for r in report["requests"]],
+                           "ttft_mean_s": statistics.fmean(r["ttft"] for r in report["requests"] if r["ok"])})
         # Repeats go round the loads (30, 60, 80, 30, ...): the host's speed drifts by the minute,
         # and each load should see its share of the slow and the fast stretches.
         for rep in range(repeats):
@@ -207,21 +238,28 @@ def run_shape(name: str, seconds: float, repeats: int, tmp: Path) -> dict:
     fits = [fit_overhead(prof, mode, [r["start"] for r in c["requests"]],
                          c["summary"]["tpot_ms"]["p50"] / 1e3, slo_ms, scale) for c in calib]
     per_seq = statistics.median(fits)
+    loaded_fits = [fit_prefill(prof, mode, c["starts"], c["rate"], c["ttft_mean_s"], slo_ms, scale, per_seq)
+                   for c in loaded]
+    probe_scale, scale = scale, (scale[0] * statistics.median(loaded_fits), scale[1])
     rows = []
     for frac, got in runs.items():
         for r in got:
-            r["predicted"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms, scale, per_seq)
-            r["predicted_uncalibrated"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms)
+            r["predicted"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms, scale, per_seq)[0]
+            r["predicted_probes_only"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms, probe_scale, per_seq)[0]
+            r["predicted_uncalibrated"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms)[0]
         row = {"load": frac, "rate": got[0]["rate"], "requests": got[0]["requests"],
-               **{k: _median([r[k] for r in got]) for k in ("measured", "predicted", "predicted_uncalibrated")},
+               **{k: _median([r[k] for r in got])
+                  for k in ("measured", "predicted", "predicted_probes_only", "predicted_uncalibrated")},
                "runs": got}
         row["ratio"] = _ratio(row["predicted"], row["measured"])
         row["ratio_uncalibrated"] = _ratio(row["predicted_uncalibrated"], row["measured"])
+        row["ratio_probes_only"] = _ratio(row["predicted_probes_only"], row["measured"])
         row["within_20pct"] = all(r is not None and 0.8 <= r <= 1.2 for k, r in row["ratio"].items()
                                   if k != "attainment")
         rows.append(row)
     return {"saturation_rate": sat, "slo_ms": slo_ms, "profile": str(prof_path), "repeats": repeats,
-            "step_scale": scale, "probes": probes, "seq_overhead_s": per_seq, "seq_overhead_fits_s": fits,
+            "step_scale": scale, "probe_scale": probe_scale, "loaded_prefill_fits": loaded_fits,
+            "loaded_prefill_runs": loaded, "probes": probes, "seq_overhead_s": per_seq, "seq_overhead_fits_s": fits,
             "calibration": [{"tpot_ms_p50": c["summary"]["tpot_ms"]["p50"],
                              "starts": [r["start"] for r in c["requests"]]} for c in calib],
             "rows": rows}
@@ -240,14 +278,17 @@ def main() -> int:
     OUT.mkdir(exist_ok=True)
     (OUT / "sim_fidelity.json").write_text(json.dumps(result, indent=1) + "\n")
     for name, res in result.items():
+        loaded = ", ".join(f"{x:.3f}" for x in res["loaded_prefill_fits"])
         print(f"{name}: saturation {res['saturation_rate']:.2f} req/s, SLOs TTFT {res['slo_ms'][0]:.0f} ms, "
-              f"TPOT {res['slo_ms'][1]:.1f} ms; served / profile: prefill {res['step_scale'][0]:.2f}, decode "
+              f"TPOT {res['slo_ms'][1]:.1f} ms; served / profile: prefill {res['step_scale'][0]:.2f} (probes "
+              f"{res['probe_scale'][0]:.2f}, under load x {loaded}), decode "
               f"{res['step_scale'][1]:.2f}; the stack's overhead: {res['seq_overhead_s'] * 1e3:.2f} ms per "
               f"sequence and step (fits: {', '.join(f'{x * 1e3:.2f}' for x in res['seq_overhead_fits_s'])})")
         for row in res["rows"]:
-            for tag in ("ratio", "ratio_uncalibrated"):
+            for tag in ("ratio", "ratio_probes_only", "ratio_uncalibrated"):
                 r = {k: "n/a" if v is None else f"{v:.2f}" for k, v in row[tag].items()}
-                head = f"  {row['load']:.0%} ({row['rate']:.2f} req/s)" if tag == "ratio" else "   uncalibrated"
+                head = {"ratio": f"  {row['load']:.0%} ({row['rate']:.2f} req/s)",
+                        "ratio_probes_only": "   probes' scale only", "ratio_uncalibrated": "   uncalibrated"}[tag]
                 print(f"{head}: predicted/measured TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']}, TPOT p50 "
                       f"{r['tpot_p50_s']} p90 {r['tpot_p90_s']}, goodput {r['goodput']}"
                       + (f" -> {'ok' if row['within_20pct'] else 'OFF'}" if tag == "ratio" else ""))
