@@ -99,7 +99,10 @@ def populate(mm: mmap.mmap, size: int, stop: threading.Event) -> None:
     for each call. Stops at `stop`, or where the kernel lacks the advice (older than 5.14). The
     view it holds meanwhile keeps the mapping from being closed under it (mmap.close raises
     BufferError, and RegionMaps tries again later)."""
-    view = memoryview(mm)
+    try:
+        view = memoryview(mm)
+    except ValueError:  # unmapped already
+        return
     try:
         base = readonly_address(view)
         for off in range(0, size, POPULATE_STEP):
