@@ -151,6 +151,14 @@ def probe(router: str, prof: StepCostModel, mode: str, slo_ms: tuple[float, floa
             max(got["tpot_ms"]["p50"] / 1e3 - xfer, 1e-6) / itl)
 
 
+def _bisect(f, target: float, lo: float, hi: float, steps: int) -> float:
+    """The x in [lo, hi] where the increasing f(x) reaches target, to (hi - lo) / 2**steps."""
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
 def fit_overhead(prof: StepCostModel, mode: str, starts: list[float], tpot_s: float, slo_ms: tuple[float, float],
                  scale: tuple[float, float]) -> float:
     """The per-sequence step overhead at which the simulated run gives the measured TPOT p50
@@ -158,13 +166,9 @@ def fit_overhead(prof: StepCostModel, mode: str, starts: list[float], tpot_s: fl
     def tpot(x: float) -> float:
         return simulate(prof, mode, starts, 1.0, slo_ms, scale, x)[0]["tpot_p50_s"]
 
-    lo, hi = 0.0, 0.005
-    if tpot(lo) >= tpot_s:
+    if tpot(0.0) >= tpot_s:
         return 0.0
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if tpot(mid) < tpot_s else (lo, mid)
-    return (lo + hi) / 2
+    return _bisect(tpot, tpot_s, 0.0, 0.005, 30)
 
 
 def fit_prefill(prof: StepCostModel, mode: str, starts: list[float], rate: float, ttft_mean_s: float,
@@ -175,11 +179,7 @@ def fit_prefill(prof: StepCostModel, mode: str, starts: list[float], rate: float
     def ttft(x: float) -> float:
         return simulate(prof, mode, starts, rate, slo_ms, (scale[0] * x, scale[1]), seq_overhead_s)[1]
 
-    lo, hi = 0.7, 1.6
-    for _ in range(20):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ttft(mid) < ttft_mean_s else (lo, mid)
-    return (lo + hi) / 2
+    return _bisect(ttft, ttft_mean_s, 0.7, 1.6, 20)
 
 
 def _median(runs: list[dict]) -> dict:
