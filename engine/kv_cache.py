@@ -13,9 +13,15 @@ import os
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from engine import kernels
 from engine.model_meta import KVLayout, ModelSpec
+
+# A frame this big or bigger lands with streaming stores (csrc/stream_copy.c); a smaller one by
+# memcpy, whose cached lines a short prompt's first decode step reads soon after.
+STREAM_MIN_BYTES = 256 << 10
 
 
 def block_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
@@ -107,14 +113,20 @@ class KVCache:
         # One copy per run of consecutive destination blocks: a per-block copy costs ~8 us of
         # dispatch each, which was most of the landing time of a 256 MiB transfer.
         if self._bytes is not None:
-            # A plain memcpy on the calling thread (a receiver's): a torch copy this large opens an
+            # On the calling thread (a receiver's), never a torch copy: one this large opens an
             # OpenMP region, and a thread that does gets an OpenMP team of its own, which slows the
             # engine's steps (pdcommon/engine_loop.py says how).
-            src_bytes, pool = memoryview(buf).cast("B"), self._bytes
-            bnb, j = self.layout.block_nbytes, 0
+            src_bytes, bnb, j = memoryview(buf).cast("B"), self.layout.block_nbytes, 0
+            copy = kernels.stream_copy() if src_bytes.nbytes >= STREAM_MIN_BYTES else None
+            if copy is not None:  # streaming stores, without the GIL (csrc/stream_copy.c)
+                src, base = np.frombuffer(src_bytes, dtype=np.uint8).ctypes.data, self.data.data_ptr()
             for start, count in block_runs(block_ids, n):
-                pool[start * bnb:(start + count) * bnb] = src_bytes[j * bnb:(j + count) * bnb]
-                j += count
+                size = count * bnb
+                if copy is not None:
+                    copy(base + start * bnb, src + j, size)
+                else:
+                    self._bytes[start * bnb:start * bnb + size] = src_bytes[j:j + size]
+                j += size
             return
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only receive buffers: only read from here
