@@ -55,6 +55,8 @@ class KVCache:
         # call's slice, reshape, view and numpy() cost 50-55 us on a thread just woken (a
         # transfer wakes several), where a memoryview slice costs a few.
         self._bytes = memoryview(self.data.view(-1).view(torch.uint8).numpy()) if device.type == "cpu" else None
+        if self._bytes is not None:
+            kernels.stream_copy()  # built (or loaded) now: not on the thread landing the first transfer (0.4 s cold)
 
     def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = self.num_blocks * self.layout.block_nbytes
