@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.kv_cache import STREAM_MIN_BYTES, KVCache
+from engine.kv_cache import STREAM_MIN_BYTES, KVCache, block_runs
 from engine.model_meta import ModelSpec
 
 SPEC = ModelSpec("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 1e-6, 512, False)  # 8 KiB blocks
@@ -36,8 +36,10 @@ def test_a_frame_lands_in_its_scattered_blocks(num_blocks):
     kv = KVCache(SPEC, 64, 16, "float32", torch.device("cpu"))
     bnb = kv.layout.block_nbytes
     assert (num_blocks * bnb >= STREAM_MIN_BYTES) == (num_blocks == 40)
-    ids = random.Random(num_blocks).sample(range(64), num_blocks)
-    ids[1:4] = sorted(ids[1:4])  # some runs of consecutive blocks among single ones
+    run = [20, 21]  # two consecutive blocks, landed with one copy, among single scattered ones
+    ids = random.Random(num_blocks).sample([b for b in range(64) if b not in run], num_blocks - len(run))
+    ids[1:1] = run
+    assert len(block_runs(ids, num_blocks)) < num_blocks
     frame = torch.randn(num_blocks, *kv.layout.block_shape)
     buf = b"\0" + frame.numpy().tobytes()
     kv.land(ids, memoryview(buf)[1:])  # an unaligned, read-only source
