@@ -8,6 +8,7 @@ and import go through `frames` and `land`, and nothing outside engine/ touches `
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import warnings
@@ -22,6 +23,8 @@ from engine.model_meta import KVLayout, ModelSpec
 # A frame this big or bigger lands with streaming stores (csrc/stream_copy.c); a smaller one by
 # memcpy, whose cached lines a short prompt's first decode step reads soon after.
 STREAM_MIN_BYTES = 256 << 10
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range's pages in, writable, in one call
+HUGE_PAGE = 2 << 20  # a private CPU pool starts on this boundary, so that all of it can be huge pages
 
 
 def block_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
@@ -48,6 +51,8 @@ class KVCache:
         self.shared_fd: int | None = None
         if shared and device.type == "cpu" and hasattr(os, "memfd_create"):
             self.data = self._shared_zeros(shape, DTYPES[dtype])
+        elif device.type == "cpu" and num_blocks and hasattr(mmap, "MADV_HUGEPAGE"):
+            self.data = self._private_zeros(shape, DTYPES[dtype])
         else:
             self.data = torch.zeros(shape, dtype=DTYPES[dtype], device=device)
         self.layers = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(spec.num_layers)]
@@ -57,6 +62,32 @@ class KVCache:
         self._bytes = memoryview(self.data.view(-1).view(torch.uint8).numpy()) if device.type == "cpu" else None
         if self._bytes is not None:
             kernels.stream_copy()  # built (or loaded) now: not on the thread landing the first transfer (0.4 s cold)
+
+    def _private_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The pool in anonymous memory advised into transparent huge pages (where the host's
+        THP mode is "madvise", as here, torch's heap gets none). Decode attention reads each
+        sequence's blocks scattered over the pool, 8 pages of 4 KiB per block and layer, and
+        with 4 KiB pages nearly every one was a TLB miss: the 50M model's batch-32 decode step
+        took 23.1 ms (median of six runs, 21.9-24.4) in huge pages against 25.3 ms (22.8-26.0)
+        without, alternating, on a 2-core AMD EPYC. Where THP is off, the advice does nothing."""
+        nbytes = self.num_blocks * self.layout.block_nbytes
+        # Private: an anonymous mapping is shared by default, and shared memory gets huge pages
+        # only where the host enables them for shmem (not here).
+        self._mmap = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = np.frombuffer(self._mmap, dtype=np.uint8).ctypes.data
+        skip = -base % HUGE_PAGE
+        with contextlib.suppress(OSError):  # advice only
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(self._mmap, dtype=dtype, count=nbytes // dtype.itemsize, offset=skip).view(shape)
+        # Every page faulted in now (as torch.zeros did), not by the first steps that use it: in
+        # one call where the kernel can (Linux 5.14), else by writing the zeros.
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE)
+        except OSError:
+            data.zero_()
+        return data
 
     def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = self.num_blocks * self.layout.block_nbytes

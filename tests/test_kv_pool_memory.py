@@ -1,0 +1,51 @@
+"""Where a CPU KV pool lives: a private pool in anonymous memory advised into transparent huge
+pages, starting on a huge-page boundary (decode attention reads blocks scattered over the pool,
+and with 4 KiB pages nearly every block was a TLB miss); a shared pool (a prefill worker's) in
+its memfd, as before. Both zero-filled, both the pool the engine reads and writes."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+
+from engine.kv_cache import HUGE_PAGE, KVCache
+from engine.model_meta import ModelSpec
+
+SPEC = ModelSpec("LlamaForCausalLM", 512, 64, 128, 2, 4, 2, 16, 1e-6, 512, False)  # 8 KiB blocks
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages on this platform")
+def test_a_private_pool_is_aligned_private_and_advised_into_huge_pages():
+    kv = KVCache(SPEC, 600, 16, "float32", torch.device("cpu"))  # 4.7 MiB: whole huge pages inside
+    ptr = kv.data.data_ptr()
+    assert ptr % HUGE_PAGE == 0
+    flags = vm_flags(ptr)
+    assert "hg" in flags, flags  # MADV_HUGEPAGE: the host's THP mode "madvise" gives it huge pages
+    assert "sh" not in flags, flags  # a shared anonymous mapping is shmem, which gets none here
+    assert kv.shared_fd is None
+    assert not kv.data.any()
+    kv.data[599].fill_(1.5)  # the last block lies inside the mapping
+    assert kv.memory()[-4:] == torch.tensor([1.5]).numpy().tobytes()
+
+
+def test_a_shared_pool_stays_in_its_memfd():
+    kv = KVCache(SPEC, 8, 16, "float32", torch.device("cpu"), shared=True)
+    assert kv.shared_fd is not None
+    assert "sh" in vm_flags(kv.data.data_ptr())
+    assert not kv.data.any()
