@@ -50,7 +50,7 @@ def _engine_process_env(args: argparse.Namespace, cfg, role: str) -> None:
     real command line: `main(argv)` from Python never replaces its caller."""
     from pdcommon.process_env import engine_process_env, missing_from
 
-    want = engine_process_env(cfg.engine_config(role).num_threads, cfg.process.tune_malloc)
+    want = engine_process_env(cfg.engine_config(role).num_threads, cfg.process.tune_malloc, role=role)
     if not getattr(args, "command_line", False) or os.environ.get("PDSERVE_REEXEC") or not missing_from(os.environ,
                                                                                                         want):
         return

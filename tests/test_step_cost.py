@@ -3,6 +3,8 @@ chooses through the config."""
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import os
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdcommon.config import load_config
-from pdcommon.process_env import MALLOC_TUNABLES, engine_process_env
+from pdcommon.process_env import MALLOC_TUNABLES, PREFILL_SPIN_COUNT, engine_process_env
 from pdcommon.step_cost import StepCostModel, StepSample
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,6 +139,38 @@ def test_engine_process_env_keeps_the_users_tunables():
     assert "glibc.malloc.mmap_threshold=1" in items and "glibc.foo=2" in items
     assert f"glibc.malloc.trim_threshold={MALLOC_TUNABLES['glibc.malloc.trim_threshold']}" in items
     assert "GLIBC_TUNABLES" not in engine_process_env(1, tune_malloc=False, base={})
+
+
+def test_only_a_prefill_worker_s_openmp_helpers_spin_briefly():
+    """GOMP_SPINCOUNT (process_env.PREFILL_SPIN_COUNT): for prefill workers with helper threads,
+    unless the user set it; decode and colocated workers keep GNU OpenMP's default."""
+    assert engine_process_env(2, base={}, role="prefill")["GOMP_SPINCOUNT"] == PREFILL_SPIN_COUNT
+    for role in ("decode", "colocated", ""):
+        assert "GOMP_SPINCOUNT" not in engine_process_env(2, base={}, role=role)
+    assert "GOMP_SPINCOUNT" not in engine_process_env(1, base={}, role="prefill")  # no helpers
+    assert "GOMP_SPINCOUNT" not in engine_process_env(2, base={"GOMP_SPINCOUNT": "7"}, role="prefill")
+
+
+def test_the_process_launcher_starts_each_pool_with_its_env(monkeypatch, stories_path):
+    """What `pdserve up --launcher process` hands its children (the command is not run here)."""
+    from pdserve.launch import processes
+
+    started: dict[str, dict] = {}
+
+    class Child:
+        def __init__(self, cmd: list[str], env: dict, **_) -> None:
+            started[cmd[3]] = env  # [python, -m, pdserve.cli, ROLE, ...]
+            self.stdin = io.StringIO()
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(processes.subprocess, "Popen", Child)
+    cfg = load_config(None, model=stories_path, **{"engine.num_threads": 2})
+    launcher = processes.ProcessLauncher(cfg, "127.0.0.1:1")
+    for role in ("prefill", "decode"):
+        asyncio.run(launcher.add_worker(role))
+    assert started["prefill"]["GOMP_SPINCOUNT"] == PREFILL_SPIN_COUNT
+    assert "GOMP_SPINCOUNT" not in started["decode"]
+    assert started["prefill"]["OMP_NUM_THREADS"] == started["decode"]["OMP_NUM_THREADS"] == "2"
 
 
 def test_pdserve_profile_on_a_real_engine(tmp_path, stories_path):

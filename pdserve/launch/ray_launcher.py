@@ -55,7 +55,8 @@ class RayLauncher:
     async def add_worker(self, role: str) -> str:
         worker_id = f"{role}-{next(self._ids[role])}"
         # Ray starts a fresh worker process for a runtime_env: these are set from its first instruction.
-        env = {"env_vars": engine_process_env(self.cfg.engine_config(role).num_threads, self.cfg.process.tune_malloc)}
+        env = {"env_vars": engine_process_env(self.cfg.engine_config(role).num_threads, self.cfg.process.tune_malloc,
+                                              role=role)}
         actor = WorkerActor.options(name=self._actor_name(worker_id), lifetime="detached", runtime_env=env,
                                     **actor_options(self.cfg.pool(role).resources)).remote(
             self._cfg_dump, role, worker_id, self.router_address)
