@@ -15,6 +15,9 @@ over repetitions of each back-to-back pair's ratio. The costs of
 encryption are reported, not targeted: ZeroMQ with CURVE and the gRPC transport over mutual TLS,
 each against its own plain run.
 
+The sender's pool lies where a prefill worker's does (a memfd for ZeroMQ, transfer.shared_memory;
+private memory in huge pages for gRPC), and raw ZeroMQ's speed depends on it (bench_transport).
+
 Same host (`shm` rows): the sender's pool in shared memory, as a prefill worker's is with
 transfer.shared_memory; the receiver maps it on the first transfer (bytes, not timed) and then
 takes every frame by reference (transfer/shared_memory.py), checksums and tags as on the wire.
@@ -344,7 +347,14 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     from transfer import SenderLoop, TransferState, make_sender
 
     max_blocks = max(sizes) * (1 << 20) // (4 * 8 * 2 * 16 * 4 * 64)
-    kv = make_pool(max_blocks, fill=True, shared=variant == "shm")
+    # The sender's pool in the memory a prefill worker's is in: a memfd for ZeroMQ (the default
+    # transfer.shared_memory puts it there, whether or not a receiver maps it), private memory
+    # advised into huge pages for gRPC (engine/kv_cache.py). Where the bytes lie moves raw
+    # ZeroMQ: one message of 1 MiB took 0.51 ms (median of 75) from the heap, 0.62 from a memfd
+    # and 1.02 from huge pages; 16 MiB 4.9, 6.7 and 6.8 ms. This bench sent from the heap, where
+    # no worker's KV lies, until the pool moved to huge pages: the ZeroMQ rows' paired_vs_raw
+    # went from ~50% to ~80% at 1 MiB with the transport's own times unchanged.
+    kv = make_pool(max_blocks, fill=True, shared=variant == "shm" or transport in ("zmq", "raw"))
     block_nbytes = kv.layout.block_nbytes
     ctx = mp.get_context("spawn")
     addr_q, ctrl_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
