@@ -67,9 +67,10 @@ class KVCache:
         """The pool in anonymous memory advised into transparent huge pages (where the host's
         THP mode is "madvise", as here, torch's heap gets none). Decode attention reads each
         sequence's blocks scattered over the pool, 8 pages of 4 KiB per block and layer, and
-        with 4 KiB pages nearly every one was a TLB miss: the 50M model's batch-32 decode step
-        took 23.1 ms (median of six runs, 21.9-24.4) in huge pages against 25.3 ms (22.8-26.0)
-        without, alternating, on a 2-core AMD EPYC. Where THP is off, the advice does nothing."""
+        with 4 KiB pages nearly every one is likely a TLB miss (this VM has no counters to tell):
+        the 50M model's batch-32 decode step took 23.1 ms (median of six runs, 21.9-24.4) in huge
+        pages against 25.3 ms (22.8-26.0) without, alternating, on a 2-core AMD EPYC. Where THP
+        is off, the advice does nothing."""
         nbytes = self.num_blocks * self.layout.block_nbytes
         # Private: an anonymous mapping is shared by default, and shared memory gets huge pages
         # only where the host enables them for shmem (not here).

@@ -29,7 +29,7 @@ MALLOC_TUNABLES = {
 # (at transfer threads' lower priority, process.kv_nice) while the helpers spin at the engine's:
 # the spin took the core the sender and the decode worker's receiver needed. With 20,000 turns
 # (~0.6 ms), in a 1P+1D cluster of 2 threads per worker, a 2048-token prompt's KV moved in
-# 3.7-4.8 ms (medians of 10 requests, two runs) instead of 6.0-6.2 ms, and the second token came
+# 3.8-4.5 ms (medians of 10 requests, two runs) instead of 6.0-6.2 ms, and the second token came
 # 1.63x ITL after the first instead of 1.76-1.93x. Prefill steps are long and their regions back
 # to back, so their time did not move (512 / 2048 tokens in-process, medians of four runs each:
 # 146-169 / 689-772 ms against 146-161 / 700-742 ms). Decode workers keep the default: their

@@ -1,6 +1,6 @@
 """Where a CPU KV pool lives: a private pool in anonymous memory advised into transparent huge
 pages, starting on a huge-page boundary (decode attention reads blocks scattered over the pool,
-and with 4 KiB pages nearly every block was a TLB miss); a shared pool (a prefill worker's) in
+and with 4 KiB pages nearly every block is likely a TLB miss); a shared pool (a prefill worker's) in
 its memfd, as before. Both zero-filled, both the pool the engine reads and writes."""
 
 from __future__ import annotations
