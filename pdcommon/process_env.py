@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdcommon.config import ClusterConfig
 
 MALLOC_TUNABLES = {
     "glibc.malloc.mmap_threshold": str(4 << 30),  # large blocks come from the heap, not fresh mmaps
@@ -57,6 +61,12 @@ def engine_process_env(threads: int | None, tune_malloc: bool = True,
     if tune_malloc:
         env["GLIBC_TUNABLES"] = _merge_tunables(base.get("GLIBC_TUNABLES", ""))
     return env
+
+
+def worker_process_env(cfg: ClusterConfig, role: str) -> dict[str, str]:
+    """engine_process_env for a worker of `role`'s pool in this cluster: its thread count, the
+    cluster's malloc choice and the role's own settings (what every launcher starts it with)."""
+    return engine_process_env(cfg.engine_config(role).num_threads, cfg.process.tune_malloc, role=role)
 
 
 def missing_from(env: Mapping[str, str], wanted: Mapping[str, str]) -> bool:

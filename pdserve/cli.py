@@ -48,9 +48,9 @@ def _engine_process_env(args: argparse.Namespace, cfg, role: str) -> None:
     """A standalone engine process (a Kubernetes pod, `pdserve profile`) starts like a Ray worker:
     glibc reads its malloc tunables only at process start, so set them and start over. Only for a
     real command line: `main(argv)` from Python never replaces its caller."""
-    from pdcommon.process_env import engine_process_env, missing_from
+    from pdcommon.process_env import missing_from, worker_process_env
 
-    want = engine_process_env(cfg.engine_config(role).num_threads, cfg.process.tune_malloc, role=role)
+    want = worker_process_env(cfg, role)
     if not getattr(args, "command_line", False) or os.environ.get("PDSERVE_REEXEC") or not missing_from(os.environ,
                                                                                                         want):
         return

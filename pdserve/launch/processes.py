@@ -20,7 +20,7 @@ import sys
 import yaml
 
 from pdcommon.config import ClusterConfig
-from pdcommon.process_env import engine_process_env
+from pdcommon.process_env import worker_process_env
 from pdcommon.security import TOKEN_ENV
 from pdserve.launch.roles import ROLES
 
@@ -44,7 +44,7 @@ class ProcessLauncher:
 
     async def add_worker(self, role: str) -> str:
         worker_id = f"{role}-{next(self._ids[role])}"
-        own = engine_process_env(self.cfg.engine_config(role).num_threads, self.cfg.process.tune_malloc, role=role)
+        own = worker_process_env(self.cfg, role)
         # Set from the process's first instruction (glibc reads its tunables only then): no re-exec.
         env = {**os.environ, **own, "PDSERVE_REEXEC": "1", "PDSERVE_PARENT_PID": str(os.getpid())}
         env.pop(TOKEN_ENV, None)  # they read the token file up made: the secret stays out of their environment

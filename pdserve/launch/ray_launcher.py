@@ -14,7 +14,7 @@ import re
 import ray
 
 from pdcommon.config import ClusterConfig
-from pdcommon.process_env import engine_process_env
+from pdcommon.process_env import worker_process_env
 from pdserve.launch.placement import actor_options
 from pdserve.launch.roles import ROLES
 from pdserve.launch.worker_actor import WorkerActor
@@ -55,8 +55,7 @@ class RayLauncher:
     async def add_worker(self, role: str) -> str:
         worker_id = f"{role}-{next(self._ids[role])}"
         # Ray starts a fresh worker process for a runtime_env: these are set from its first instruction.
-        env = {"env_vars": engine_process_env(self.cfg.engine_config(role).num_threads, self.cfg.process.tune_malloc,
-                                              role=role)}
+        env = {"env_vars": worker_process_env(self.cfg, role)}
         actor = WorkerActor.options(name=self._actor_name(worker_id), lifetime="detached", runtime_env=env,
                                     **actor_options(self.cfg.pool(role).resources)).remote(
             self._cfg_dump, role, worker_id, self.router_address)
