@@ -9,6 +9,7 @@ and import go through `frames` and `land`, and nothing outside engine/ touches `
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import warnings
@@ -36,6 +37,15 @@ def block_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int
         else:
             runs.append((bid, 1))
     return runs
+
+
+def _tensor_over(memory: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
+    """A tensor of `shape` over a mapping's bytes from `offset` (the tensor keeps the mapping
+    alive), without torch's UserWarning about buffers it cannot tell are writable (a writable
+    mapping gives none; the guard is as it was before both pools shared this helper)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(memory, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
 
 
 class KVCache:
@@ -79,9 +89,7 @@ class KVCache:
         skip = -base % HUGE_PAGE
         with contextlib.suppress(OSError):  # advice only
             self._mmap.madvise(mmap.MADV_HUGEPAGE)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(self._mmap, dtype=dtype, count=nbytes // dtype.itemsize, offset=skip).view(shape)
+        data = _tensor_over(self._mmap, dtype, shape, skip)
         # Every page faulted in now (as torch.zeros did), not by the first steps that use it: in
         # one call where the kernel can (Linux 5.14), else by writing the zeros.
         try:
@@ -100,9 +108,7 @@ class KVCache:
             os.close(fd)
             raise
         self.shared_fd = fd
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(self._mmap, dtype=dtype).view(shape)
+        data = _tensor_over(self._mmap, dtype, shape)
         # Written now, as torch.zeros writes its pages: the first write to each shared page
         # faults (MAP_POPULATE maps shared pages read-only, so the write still faults), and a
         # 2048-token prefill writing 32 MiB of fresh blocks took ~12% longer than from a private
