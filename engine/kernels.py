@@ -121,7 +121,7 @@ def prefill_attention():
     """The C function causal_prefill_attention (csrc/prefill_attention.c) with its argument
     types, or None. Its `vector_width` must divide the head size, up to `max_dim`."""
     fn, lib = _function("prefill_attention.c", "causal_prefill_attention",
-                        [_PTR, _PTR, _PTR, _I64, _I64, _I32, _I32, _I32, _F32, _PTR],
+                        [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I32, _I32, _I32, _F32, _PTR],
                         "prompt attention uses torch's SDPA")
     if fn is None:
         return None

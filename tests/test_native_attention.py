@@ -83,6 +83,25 @@ def test_prefill_kernel_matches_sdpa(heads, kv_heads, dim, n, prefix):
     torch.testing.assert_close(_native_prefill(q, k, v, prefix), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(prefill_attention() is None, reason="no C compiler: the kernel is not built here")
+@pytest.mark.parametrize(("n", "prefix"), [(5, 0), (100, 0), (53, 77)])
+def test_prefill_kernel_reads_projection_views(n, prefix):
+    """q, k and v as the model hands them over: views into one fused QKV projection, rows
+    (heads + 2 x kv_heads) x dim apart, read in place; the result lands in the `out` given."""
+    heads, kv_heads, dim = 8, 4, 64
+    g = torch.Generator().manual_seed(n + prefix)
+    qkv = torch.randn(prefix + n, (heads + 2 * kv_heads) * dim, generator=g)
+    q = qkv[prefix:, :heads * dim].view(n, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(prefix + n, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(prefix + n, kv_heads, dim)
+    want = _native_prefill(q.contiguous(), k.contiguous(), v.contiguous(), prefix)
+    out = torch.full((n + 2, heads, dim), 7.0)
+    got = _native_prefill(q, k, v, prefix, out[1:n + 1])
+    assert got.data_ptr() == out[1].data_ptr()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (out[0] == 7).all() and (out[-1] == 7).all()  # only its own rows written
+
+
 def test_availability_follows_dtype_and_limits():
     if paged_decode() is None:
         assert not native_decode_available(torch.float32, torch.device("cpu"), 8, 4, 64, 16)

@@ -8,6 +8,10 @@
  * GFLOP/s on 2 AVX-512 cores). Here both products are register-blocked for that shape: scores
  * take R query rows x NV vectors of keys from a transposed copy of K (one per call), and the
  * output takes R rows x NV vectors of the head dimension, broadcasting each probability.
+ * On the diagonal, each group of R query rows computes only the key vectors its last row may see,
+ * and a prompt's last, partial block only its own rows: on a 512-token prompt of the 50M model,
+ * a full-tile kernel computed 24% more scores than the causal mask keeps, and this one ran 10%
+ * faster (1.75 against 1.94 ms a layer; 128 tokens: 17%; 2048: 2%).
  *
  * Vector width follows the build (simd.h): 16 floats with AVX-512, else 8. The head size must
  * be a multiple of it (prefill_attention_limits); the engine uses torch elsewhere.
@@ -33,23 +37,41 @@
 #define KB 64 /* keys per tile (a multiple of NV x VW) */
 #define MAX_D 256
 
-/* s[QB][KB] = qb[QB][dim] . kt[dim][kt0 : kt0 + KB] (kt rows of stride ld). */
-static void scores(const float *qb, const float *kt, int64_t ld, int dim, float *s) {
-    for (int r0 = 0; r0 < QB; r0 += R) {
-        for (int j0 = 0; j0 < KB; j0 += NV * VW) {
-            vf acc[R][NV];
-            for (int r = 0; r < R; ++r)
-                for (int v = 0; v < NV; ++v) acc[r][v] = (vf){};
-            for (int d = 0; d < dim; ++d) {
-                vf kv[NV];
-                for (int v = 0; v < NV; ++v) kv[v] = *(const vf *)(kt + d * ld + j0 + v * VW);
-                for (int r = 0; r < R; ++r) {
-                    const float qv = qb[(r0 + r) * dim + d];
-                    for (int v = 0; v < NV; ++v) acc[r][v] += qv * kv[v];
-                }
+/* s[r0 .. r0 + R][j0 : j0 + W x VW] = qb[r0 .. r0 + R][dim] . kt[dim][j0 : j0 + W x VW] for one
+ * register block; W is a constant at each call (see ACCUMULATE_BLOCK). */
+#define SCORES_BLOCK(W)                                                                           \
+    do {                                                                                          \
+        vf acc[R][W];                                                                             \
+        for (int r = 0; r < R; ++r)                                                               \
+            for (int v = 0; v < W; ++v) acc[r][v] = (vf){};                                       \
+        for (int d = 0; d < dim; ++d) {                                                           \
+            vf kv[W];                                                                             \
+            for (int v = 0; v < W; ++v) kv[v] = *(const vf *)(kt + d * ld + j0 + v * VW);         \
+            for (int r = 0; r < R; ++r) {                                                         \
+                const float qv = qb[(r0 + r) * dim + d];                                          \
+                for (int v = 0; v < W; ++v) acc[r][v] += qv * kv[v];                              \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < R; ++r)                                                               \
+            for (int v = 0; v < W; ++v) *(vf *)(s + (r0 + r) * KB + j0 + v * VW) = acc[r][v];    \
+    } while (0)
+
+/* s[QB][KB] = qb[QB][dim] . kt[dim][kt0 : kt0 + KB] (kt rows of stride ld), for the first
+ * `groups` row groups of R, group g over its first vecs[g] vectors of keys: the columns past
+ * them are keys no row of the group may see (the causal mask), left unwritten. */
+static void scores(const float *qb, const float *kt, int64_t ld, int dim, int groups, const int *vecs, float *s) {
+    for (int g = 0; g < groups; ++g) {
+        const int r0 = g * R;
+        for (int v0 = 0; v0 < vecs[g]; v0 += NV) {
+            const int j0 = v0 * VW;
+            switch (vecs[g] - v0 < NV ? vecs[g] - v0 : NV) {
+            case 1: SCORES_BLOCK(1); break;
+#if NV == 4
+            case 2: SCORES_BLOCK(2); break;
+            case 3: SCORES_BLOCK(3); break;
+#endif
+            default: SCORES_BLOCK(NV); break;
             }
-            for (int r = 0; r < R; ++r)
-                for (int v = 0; v < NV; ++v) *(vf *)(s + (r0 + r) * KB + j0 + v * VW) = acc[r][v];
         }
     }
 }
@@ -74,9 +96,11 @@ static void scores(const float *qb, const float *kt, int64_t ld, int dim, float 
             for (int v = 0; v < W; ++v) *(vf *)(o + (r0 + r) * dim + d0 + v * VW) = acc[r][v];    \
     } while (0)
 
-/* o[QB][dim] += p[QB][keys] . vt[keys][dim] (vt rows of stride ld). */
-static void accumulate(const float *p, const float *vt, int64_t ld, int dim, int keys, float *o) {
-    for (int r0 = 0; r0 < QB; r0 += R) {
+/* o[QB][dim] += p[QB][keys] . vt[keys][dim] (vt rows of stride ld), for the first `groups` row
+ * groups of R, group g over its first keys[g] keys. */
+static void accumulate(const float *p, const float *vt, int64_t ld, int dim, int groups, const int *nkeys, float *o) {
+    for (int g = 0; g < groups; ++g) {
+        const int r0 = g * R, keys = nkeys[g];
         int d0 = 0;
         for (; d0 + NV * VW <= dim; d0 += NV * VW) ACCUMULATE_BLOCK(NV);
         for (; d0 < dim; d0 += VW) ACCUMULATE_BLOCK(1);
@@ -85,7 +109,7 @@ static void accumulate(const float *p, const float *vt, int64_t ld, int dim, int
 
 /* One query head h over query tokens [q0, q0 + rows) of n, which sit at key positions
  * prefix + q0 ... (nk = prefix + n keys in all). */
-static void task(const float *q, const float *kt, const float *v, int64_t n, int64_t prefix, int64_t nk_pad,
+static void task(const float *q, int64_t q_ld, const float *kt, const float *v, int64_t n, int64_t prefix, int64_t nk_pad,
                  int heads, int kv_heads, int dim, float scale, int h, int64_t q0, float *out) {
     const int64_t nk = prefix + n;
     const int kh = h / (heads / kv_heads);
@@ -94,7 +118,7 @@ static void task(const float *q, const float *kt, const float *v, int64_t n, int
     vf lv[QB]; /* each row's running sum, lane by lane: reduced once, at the end */
     const float qscale = scale * 1.4426950408889634f; /* log2(e): softmax in base 2 */
     for (int i = 0; i < QB; ++i) {
-        for (int d = 0; d < dim; ++d) qb[i * dim + d] = i < rows ? q[((q0 + i) * heads + h) * dim + d] * qscale : 0.f;
+        for (int d = 0; d < dim; ++d) qb[i * dim + d] = i < rows ? q[(q0 + i) * q_ld + h * dim + d] * qscale : 0.f;
         m[i] = -INFINITY;
         lv[i] = (vf){};
     }
@@ -102,17 +126,28 @@ static void task(const float *q, const float *kt, const float *v, int64_t n, int
     const float *ktk = kt + (int64_t)kh * dim * nk_pad; /* its tiles, each [dim][KB] */
     const float *vk = v + (int64_t)kh * dim * nk_pad; /* its rows, [nk_pad][dim] */
     const int64_t vld = dim;
+    const int groups = (rows + R - 1) / R; /* row groups holding this task's rows */
     for (int64_t k0 = 0; k0 < prefix + q0 + rows; k0 += KB) {
-        scores(qb, ktk + k0 * dim, KB, dim, s);
         const int keys = (int)(nk - k0 < KB ? nk - k0 : KB);
+        int vecs[QB / R], gkeys[QB / R];
+        for (int g = 0; g < groups; ++g) { /* the keys the group's last row sees in this tile */
+            const int last_row = (g + 1) * R < rows ? (g + 1) * R - 1 : rows - 1;
+            const int64_t seen = prefix + q0 + last_row - k0 + 1;
+            gkeys[g] = (int)(seen < 0 ? 0 : seen < keys ? seen : keys); /* 0: the tile is past them all */
+            vecs[g] = (gkeys[g] + VW - 1) / VW;
+        }
+        scores(qb, ktk + k0 * dim, KB, dim, groups, vecs, s);
         for (int i = 0; i < rows; ++i) {
             float *si = s + i * KB;
+            const int width = vecs[i / R] * VW; /* the columns computed for this row */
+            if (width == 0)
+                continue; /* nothing to see here: its p is never read (accumulate takes no keys) */
             const int64_t last = prefix + q0 + i - k0; /* keys past this row's own token are masked */
-            if (last < KB - 1 || keys < KB)
-                for (int j = 0; j < KB; ++j)
+            if (last < width - 1 || keys < width)
+                for (int j = 0; j < width; ++j)
                     if (j > last || j >= keys) si[j] = -INFINITY;
             vf mv = *(vf *)si;
-            for (int j = VW; j < KB; j += VW) mv = vmax(mv, *(vf *)(si + j));
+            for (int j = VW; j < width; j += VW) mv = vmax(mv, *(vf *)(si + j));
             const float mx = hmax(mv);
             if (mx > m[i]) { /* a new row maximum: rescale what was summed against the old one */
                 const float alpha = m[i] == -INFINITY ? 0.f : exp2f(m[i] - mx);
@@ -121,15 +156,15 @@ static void task(const float *q, const float *kt, const float *v, int64_t n, int
                 for (int d = 0; d < dim; ++d) o[i * dim + d] *= alpha;
             }
             vf sum = (vf){};
-            for (int j = 0; j < KB; j += VW) {
+            for (int j = 0; j < width; j += VW) {
                 vf e = vexp2(*(vf *)(si + j) - m[i]);
                 *(vf *)(si + j) = e;
                 sum += e;
             }
             lv[i] += sum;
         }
-        for (int i = rows; i < QB; ++i) memset(s + i * KB, 0, sizeof(float) * KB);
-        accumulate(s, vk + k0 * vld, vld, dim, keys, o);
+        for (int i = rows; i < groups * R; ++i) memset(s + i * KB, 0, sizeof(float) * KB);
+        accumulate(s, vk + k0 * vld, vld, dim, groups, gkeys, o);
     }
     for (int i = 0; i < rows; ++i) {
         const float inv = 1.f / hsum(lv[i]);
@@ -138,11 +173,12 @@ static void task(const float *q, const float *kt, const float *v, int64_t n, int
     }
 }
 
-/* q: [n, heads, dim]; k, v: [prefix + n, kv_heads, dim] (the cached prefix, then the new
- * tokens); out: [n, heads, dim]; all contiguous. Returns 0, or -1 when the scratch copies of K
- * and V could not be allocated. */
-int causal_prefill_attention(const float *q, const float *k, const float *v, int64_t n, int64_t prefix, int heads,
-                             int kv_heads, int dim, float scale, float *out) {
+/* q: [n, heads, dim], token rows q_ld floats apart; k, v: [prefix + n, kv_heads, dim] (the cached
+ * prefix, then the new tokens), rows kv_ld floats apart (views into a fused QKV projection's
+ * output need no copy); out: [n, heads, dim], contiguous. Returns 0, or -1 when the scratch
+ * copies of K and V could not be allocated. */
+int causal_prefill_attention(const float *q, int64_t q_ld, const float *k, const float *v, int64_t kv_ld, int64_t n,
+                             int64_t prefix, int heads, int kv_heads, int dim, float scale, float *out) {
     const int64_t nk = prefix + n, n_pad = (nk + KB - 1) / KB * KB;
     float *kt = aligned_alloc(64, 2 * sizeof(float) * (size_t)kv_heads * dim * n_pad + 64);
     if (kt == NULL) return -1;
@@ -160,10 +196,10 @@ int causal_prefill_attention(const float *q, const float *k, const float *v, int
         const int64_t t0 = (blk % (n_pad / KB)) * KB;
         float *dst = kt + (int64_t)kh * dim * n_pad + t0 * dim;
         for (int64_t t = t0; t < t0 + KB; ++t)
-            for (int d = 0; d < dim; ++d) dst[d * KB + (t - t0)] = t < nk ? k[(t * kv_heads + kh) * dim + d] : 0.f;
+            for (int d = 0; d < dim; ++d) dst[d * KB + (t - t0)] = t < nk ? k[t * kv_ld + kh * dim + d] : 0.f;
         float *vdst = vp + (int64_t)kh * dim * n_pad + t0 * dim;
         for (int64_t t = t0; t < t0 + KB; ++t)
-            for (int d = 0; d < dim; ++d) vdst[(t - t0) * dim + d] = t < nk ? v[(t * kv_heads + kh) * dim + d] : 0.f;
+            for (int d = 0; d < dim; ++d) vdst[(t - t0) * dim + d] = t < nk ? v[t * kv_ld + kh * dim + d] : 0.f;
     }
     const int64_t blocks = (n + QB - 1) / QB; /* of queries */
     /* Latest query blocks first: they attend to the most keys, and dynamic scheduling then
@@ -171,7 +207,7 @@ int causal_prefill_attention(const float *q, const float *k, const float *v, int
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < blocks * heads; ++t) {
         const int64_t qblk = blocks - 1 - t / heads;
-        task(q, kt, vp, n, prefix, n_pad, heads, kv_heads, dim, scale, (int)(t % heads), qblk * QB, out);
+        task(q, q_ld, kt, vp, n, prefix, n_pad, heads, kv_heads, dim, scale, (int)(t % heads), qblk * QB, out);
     }
     free(kt);
     return 0;
