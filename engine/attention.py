@@ -204,8 +204,8 @@ def _native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: i
         k, v = k.contiguous(), v.contiguous()
     if out is None:
         out = torch.empty(n, h, d, dtype=q.dtype)
-    elif not out.is_contiguous():
-        raise ValueError("prompt attention writes a contiguous [n, H, D] output")
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"prompt attention writes a contiguous {tuple(q.shape)} {q.dtype} output")
     if prefill_attention()(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), n, prefix, h,
                            k.shape[1], d, d ** -0.5, out.data_ptr()) != 0:
         raise MemoryError(f"prompt attention: no memory for the transposed keys of {n} tokens")

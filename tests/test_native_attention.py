@@ -100,6 +100,8 @@ def test_prefill_kernel_reads_projection_views(n, prefix):
     assert got.data_ptr() == out[1].data_ptr()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert (out[0] == 7).all() and (out[-1] == 7).all()  # only its own rows written
+    with pytest.raises(ValueError):  # a wrong shape would have the kernel write past its end
+        _native_prefill(q, k, v, prefix, out[:n + 1])
 
 
 def test_availability_follows_dtype_and_limits():
