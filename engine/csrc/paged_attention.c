@@ -91,7 +91,7 @@ static inline void vstore(float *p, vf v) { *(vf_alias *)p = v; }
 static inline __attribute__((always_inline)) void task_vec(
     const int NC, const float *qb, const float *k_cache, const float *v_cache, int64_t block_stride,
     int64_t token_stride, int64_t head_stride, const int64_t *table, int64_t start, int64_t len, int groups,
-    int block_size, int kh0, int kh1, float scale2, float *ob) {
+    int block_size, int kh0, int kh1, float scale2, float *ob, int64_t after) {
     const int dim = NC * VW;
     float m[MAX_H], l[MAX_H], acc[MAX_H * MAX_D];
     float sc[MAX_BS + VW]; /* one head's scores for a block, padded to whole vectors */
@@ -106,8 +106,11 @@ static inline __attribute__((always_inline)) void task_vec(
          * (AVX-512), the 50M model's 8 layers for 32 sequences of 192 tokens on scattered
          * blocks: 8.0-8.5 -> 5.2-5.7 ms a step (a share in one burst: 6.1-6.4 ms; two blocks
          * ahead: no better). */
-        const int last = (blk + 1) * block_size >= len; /* no next block: nothing to prefetch */
-        const int64_t next = last ? id : table[blk + 1];
+        /* After the sequence's last block comes `after`, where there is one (the next task's
+         * first block). */
+        const int more = (blk + 1) * block_size < len;
+        const int last = !more && after < 0; /* nothing to prefetch */
+        const int64_t next = more ? table[blk + 1] : after;
         const int64_t share = last ? 0 : (int64_t)block_size * token_stride * (int64_t)sizeof(float) / (kh1 - kh0);
         const char *const next_k = (const char *)(k_cache + next * block_stride);
         const char *const next_v = (const char *)(v_cache + next * block_stride);
@@ -289,8 +292,20 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
         const float *qb = q + (int64_t)b * heads * dim;
         const int64_t *table = tables + b * table_stride;
         float *ob = out + (int64_t)b * heads * dim;
+        /* The block this thread most likely reads after this task: the first of the sequence
+         * `threads` ahead (tasks of similar length come back to each thread in turn). Prefetched
+         * over this task's last block, it spares each sequence a cold first block: on a 2-core
+         * AMD EPYC (AVX-512), the 50M model's 8 layers for 32 sequences of 192-256 tokens went
+         * 1-5% faster (e.g. 3.40 -> 3.27 ms, medians of 60 alternating calls, five runs), 512
+         * tokens no faster (one cold block in 32). A wrong guess only wastes reads. */
+        const int64_t nb = (int64_t)b + threads;
+        int64_t after = -1;
+        if (split == 1 && nb < batch) {
+            const int64_t nlen = lens[nb], nstart = (window > 0 && nlen > window) ? nlen - window : 0;
+            after = tables[nb * table_stride + nstart / block_size];
+        }
 #define VEC(N) task_vec(N, qb, k_cache, v_cache, block_stride, token_stride, head_stride, table, start, len, \
-                        groups, block_size, kh0, kh1, scale2, ob)
+                        groups, block_size, kh0, kh1, scale2, ob, after)
         switch (nc) {
         case 1: VEC(1); break;
         case 2: VEC(2); break;
