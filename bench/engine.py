@@ -62,9 +62,9 @@ def model_numbers(spec) -> dict:
 
 def decode_bounds(nums, elem: int, kv_per_token: int, ctx: int, batch: int, ceil: dict) -> dict:
     """The fastest this host could decode `batch` sequences of `ctx` cached tokens (weights of
-    `elem` bytes), in tokens/s: every
-    step multiplies by all weights (2 FLOPs a parameter a sequence, at the GEMM ceiling, or reads
-    them once at the read ceiling, whichever takes longer) and reads each sequence's KV.
+    `elem` bytes), in tokens/s. Every step multiplies by all weights (2 FLOPs a parameter a
+    sequence, at the GEMM ceiling) or reads them once (at the read ceiling), whichever takes
+    longer, and reads each sequence's KV.
     - `serial`: attention's KV read after the GEMMs, as an engine that runs one layer's kernels one
       after another does: max(GEMM time, weight read) + KV read;
     - `overlapped`: the KV read hidden under the GEMMs as well, max(GEMM time, weight + KV read).
