@@ -233,7 +233,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     target = args.url if args.backend == "http" else args.router
     if not target:
         raise SystemExit("error: give --router HOST:PORT (grpc) or --url http://HOST:PORT (http)")
+    # A folder (bench.json and the plots in it), or a .json path (the plots beside it, named after it).
     out = Path(args.out)
+    json_path = out if out.suffix == ".json" else out / "bench.json"
+    stem = json_path.stem + "_" if out.suffix == ".json" else ""
+    out = json_path.parent
     out.mkdir(parents=True, exist_ok=True)
     workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.shared_prefix_len,
                         args.seed)
@@ -245,13 +249,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report = asyncio.run(run_benchmark(target, workload, load, args.backend, args.slo_ttft_ms, args.slo_tpot_ms))
         print(format_table(report))
         tag = f"rate{rate:g}" if args.sweep else "bench"
-        plot_report(report, str(out / f"{tag}.png"))
+        plot_report(report, str(out / f"{stem}{tag}.png"))
         reports.append(report)
     result = reports[0] if not args.sweep else {"sweep": reports}
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    json_path.write_text(json.dumps(result, indent=2))
     if args.sweep:
-        plot_sweep(reports, str(out / "goodput_vs_rate.png"))
-    print(f"-> {out / 'bench.json'}")
+        plot_sweep(reports, str(out / f"{stem}goodput_vs_rate.png"))
+    print(f"-> {json_path}")
     return 0 if all(r["summary"]["completed"] for r in reports) else 1
 
 
@@ -497,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--sweep", default=None, help="comma-separated request rates, e.g. 1,2,4")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench/out/serve")
+    p.add_argument("--out", default="bench/out/serve",
+                   help="folder for bench.json and the plots, or a .json path (the plots beside it)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("profile", help="measure a pool's engine steps; write the step-cost model (JSON + PNG)")

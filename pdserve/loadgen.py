@@ -212,8 +212,14 @@ def summarize(results: list[Result], duration: float, slo_ttft_ms: float | None,
 
 
 def _progress(done: int, total: int) -> None:
+    """A bar redrawn in place on a terminal; into a log or pipe, a line per tenth of the run."""
     width = 30
     filled = int(width * done / total)
+    if not sys.stderr.isatty():
+        if done == total or int(10 * done / total) > int(10 * (done - 1) / total):
+            sys.stderr.write(f"{done}/{total} requests done\n")
+            sys.stderr.flush()
+        return
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
     if done == total:
         sys.stderr.write("\n")
@@ -270,13 +276,18 @@ async def run_benchmark(target: str, workload: Workload, load: Load, backend: st
                                                                                         key=lambda r: r.start)]}
 
 
+def _slo_text(slo: dict) -> str:
+    parts = [f"{name}<={slo[key]:g} ms" for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"))
+             if slo[key] is not None]
+    return f"within {', '.join(parts)}" if parts else "completed; no SLO given (--slo-ttft-ms, --slo-tpot-ms)"
+
+
 def format_table(report: dict) -> str:
     s = report["summary"]
     lines = [f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f}s",
              f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s, "
              f"{s['total_token_throughput']:.1f} total tok/s",
-             f"goodput {s['goodput']:.2f} req/s ({s['goodput_requests']}/{s['completed']} within "
-             f"TTFT<={s['slo']['ttft_ms']} ms, TPOT<={s['slo']['tpot_ms']} ms)",
+             f"goodput {s['goodput']:.2f} req/s ({s['goodput_requests']}/{s['completed']} {_slo_text(s['slo'])})",
              f"{'metric (ms)':12s} {'mean':>9s} {'p50':>9s} {'p90':>9s} {'p99':>9s}"]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         p = s[key]

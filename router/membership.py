@@ -131,7 +131,7 @@ class Membership:
         if unfinished:
             log.warning("worker left before its requests finished",
                         extra={"worker_id": worker_id, "unfinished": unfinished})
-        self.drop(worker_id, "drained")
+        self.drop(worker_id, "drained", planned=not unfinished)
         return True
 
     def _fail_inflight(self, rec: WorkerRecord, why: str) -> None:
@@ -146,16 +146,18 @@ class Membership:
             self.retired[worker_id] = rec.incarnation
             while len(self.retired) > MAX_RETIRED:  # oldest first: dicts keep insertion order
                 del self.retired[next(iter(self.retired))]
-        self.drop(worker_id, "drained")
+        self.drop(worker_id, "drained", planned=True)
 
     def is_retired(self, worker_id: str, incarnation: str) -> bool:
         return self.retired.get(worker_id) == incarnation
 
-    def drop(self, worker_id: str, why: str) -> None:
+    def drop(self, worker_id: str, why: str, planned: bool = False) -> None:
+        """`planned`: a drained worker leaving (scale-down, shutdown), logged as info, not a warning."""
         rec = self.workers.pop(worker_id, None)
         if rec is None:
             return
-        log.warning("dropping worker", extra={"worker_id": worker_id, "reason": why})
+        log.log(logging.INFO if planned else logging.WARNING, "dropping worker",
+                extra={"worker_id": worker_id, "reason": why})
         self._fail_inflight(rec, why)
         asyncio.ensure_future(rec.channel.close())
         for cb in self.on_leave:

@@ -201,19 +201,21 @@ def test_pdserve_bench_json_is_consistent(cluster, tmp_path):
     assert all(r["ttft"] <= r["e2e"] for r in report["requests"])
     assert (out / "bench.png").stat().st_size > 1000
     assert "TTFT" in r.stdout and "goodput" in r.stdout
+    assert "12/12 requests done" in r.stderr and "\r" not in r.stderr  # a log, not a redrawn bar
 
 
 def test_pdserve_bench_http_sweep(cluster, tmp_path):
-    out = tmp_path / "sweep"
+    out = tmp_path / "sweep.json"  # a .json path: the plots go beside it, named after it
     r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--backend", "http", "--url",
                         cluster.core.http_address, "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
                         "--sweep", "10,40", "--slo-ttft-ms", "0.001", "--out", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    sweep = json.loads((out / "bench.json").read_text())["sweep"]
+    sweep = json.loads(out.read_text())["sweep"]
     assert [s["config"]["load"]["request_rate"] for s in sweep] == [10, 40]
     assert all(s["summary"]["goodput"] == 0 for s in sweep)  # an impossible TTFT SLO: nobody meets it
-    assert (out / "goodput_vs_rate.png").exists()
+    assert (tmp_path / "sweep_goodput_vs_rate.png").exists() and (tmp_path / "sweep_rate40.png").exists()
+    assert "within TTFT<=0.001 ms" in r.stdout
 
 
 def test_colocated_mode_matches_engine(stories_path, story):
