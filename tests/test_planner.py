@@ -369,6 +369,25 @@ def test_one_bad_block_moves_the_offset_little():
     assert p.offset["prefill"] < -0.2 and p.correction["prefill"] == pytest.approx(1.0, abs=0.05), p.offset
 
 
+def test_steady_forecast_extrapolates_a_ramp_beyond_its_noise():
+    """A rate rising from 10 to 40 per interval over 20 intervals (Poisson counts): the forecast
+    a minute ahead follows the line there, where the stretch's mean lags it; a flat load with
+    the same noise plans its mean."""
+    rng = random.Random(7)
+
+    def counts(mean: float) -> float:
+        return sum(rng.random() < mean / 200 for _ in range(200))
+
+    ramp, flat = Steady(), Steady()
+    for i in range(20):
+        ramp.observe((i + 1) * INTERVAL, counts(10 + 1.5 * i) / INTERVAL)
+        flat.observe((i + 1) * INTERVAL, counts(25) / INTERVAL)
+    ahead = 20 * INTERVAL + 60
+    assert ramp.predict(ahead) == pytest.approx((10 + 1.5 * (19 + 60 / INTERVAL)) / INTERVAL, rel=0.12)
+    assert ramp.since() == ramp.window_start
+    assert flat.ramp is None and flat.predict(ahead) == pytest.approx(25 / INTERVAL, rel=0.1)
+
+
 def test_steady_forecast_learns_that_bursts_fade():
     """A burst every tenth interval, over by the next: the forecast a minute ahead learns to
     stay near the window's rate, while with no such history a jump is followed at once."""

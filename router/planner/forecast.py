@@ -78,18 +78,28 @@ class Steady:
     Arrivals burstier than Poisson (the Azure code trace sends clusters of requests, minutes
     apart) widen the test by their dispersion, the variance of an interval's count over its
     mean (_dispersion): otherwise every burst ends the stretch, and the pools chase bursts that are over
-    before a new worker is up. A step well beyond the traffic's own swings still ends it. A
-    ramp is followed as a run of short steps. Each interval's duration is the time since the
-    one before (the first one's, the second's).
+    before a new worker is up. A step well beyond the traffic's own swings still ends it. Each
+    interval's duration is the time since the one before (the first one's, the second's).
 
     How far a new stretch's rate is trusted over the window's is learned (`persistence`): past
     forecasts are scored against the rate that came one horizon later. Steps that last (a
     load step) keep it near 1; bursts over within a minute (the Azure code trace's) bring it
     toward 0, and the forecast toward the window's rate: a pool grown for a burst that ends
-    before its workers are up is only held through the scale-down window."""
+    before its workers are up is only held through the scale-down window.
 
-    def __init__(self, window_s: float = 600.0, z: float = 2.0) -> None:
-        self.window_s, self.z = window_s, z
+    A ramp the window's counts show beyond their noise (its least-squares slope `z_trend`
+    standard errors from zero, the errors widened by the dispersion as above, and the line
+    explaining the window's newest parts) is extrapolated instead, to the forecast time, within
+    `reach` of the window's rate. Followed as a run of short steps, each a stretch's mean, a
+    diurnal swing kept the pools behind all the way up: `pdserve simulate --trace
+    diurnal:rate=1,duration=7200,period=3600,prompt=1024,output=128 --workers 32` met 82.0%
+    against a 90% target, 87.5% with this. At 3 standard errors, noise read as a ramp on the
+    Mooncake trace (91.0% met at 64 workers fell to 88.7%); at 4 both traces plan as before."""
+
+    def __init__(self, window_s: float = 600.0, z: float = 2.0, z_trend: float = 4.0,
+                 reach: float = 0.5) -> None:
+        self.window_s, self.z, self.z_trend, self.reach = window_s, z, z_trend, reach
+        self.ramp: tuple[float, float, float] | None = None  # (time, rate then, slope per s) when significant
         self.seen: deque[tuple[float, float]] = deque()  # (end time, rate), newest last
         self.rate, self.start = 0.0, None
         self.window_rate, self.window_start = 0.0, None
@@ -111,6 +121,7 @@ class Steady:
         self.dispersion = _dispersion(counts)
         self.window_rate = sum(c for c, _ in counts) / sum(s for _, s in counts)
         self.window_start = t - sum(s for _, s in counts)
+        self.ramp = _ramp(t, counts, self.dispersion, self.z_trend)
         self._stretch(t, counts)
         self.made.append((t, self.rate, self.window_rate))
         while self.made and t - self.made[0][0] > MEMORY_S:
@@ -169,16 +180,52 @@ class Steady:
 
     def predict(self, t: float) -> float:
         self.persistence = self._learn(max(t - (self.t or t), 1e-9))
+        if self.ramp is not None:
+            at, rate, slope = self.ramp
+            lo, hi = (1 - self.reach) * self.window_rate, (1 + self.reach) * self.window_rate
+            return max(min(max(rate + slope * (t - at), lo), hi), 0.0)
         return self.window_rate + self.persistence * (self.rate - self.window_rate)
 
     def since(self) -> float | None:
-        """The stretch while its jumps are trusted; the window once they are seen to fade."""
-        return self.start if self.persistence >= 0.5 else self.window_start
+        """The stretch while its jumps are trusted; the window once they are seen to fade, or
+        along a ramp (whose stretches are short steps: the window holds more of the mix)."""
+        return self.start if self.persistence >= 0.5 and self.ramp is None else self.window_start
 
 
 MEMORY_S = 3600.0  # how long past forecasts are remembered for learning persistence
 PERSISTENCE_PRIOR = 0.5  # in squared relative jumps: a couple of 50% jumps that lasted
 CHI2_1_Q75 = 1.3233  # the upper quartile of a chi-square with one degree of freedom
+
+
+def _ramp(t: float, counts: list[tuple[float, float]], dispersion: float, z: float,
+          z_fit: float = 2.0) -> tuple[float, float, float] | None:
+    """(t, the fitted rate at t, slope per second) of a straight line through the intervals'
+    rates (newest first in `counts`), each weighed by its length; None unless the slope is `z`
+    standard errors from zero (an interval's count has variance dispersion x rate x length, so
+    the slope's is dispersion x rate / sum(length x (mid - mean mid)^2)) and the line explains
+    every newest part of the window within `z_fit` deviations, as a stretch must (Steady): a
+    step, or a burst at the end, tilts a line too, and is a step's to follow."""
+    if len(counts) < 6:
+        return None
+    mids, end = [], t
+    for _, secs in counts:
+        mids.append(end - secs / 2)
+        end -= secs
+    total = sum(secs for _, secs in counts)
+    rate = sum(c for c, _ in counts) / total
+    centre = sum(m * secs for m, (_, secs) in zip(mids, counts, strict=True)) / total
+    sxx = sum(secs * (m - centre) ** 2 for m, (_, secs) in zip(mids, counts, strict=True))
+    if sxx <= 0 or rate <= 0:
+        return None
+    slope = sum((m - centre) * (c - rate * secs) for m, (c, secs) in zip(mids, counts, strict=True)) / sxx
+    if abs(slope) < z * math.sqrt(dispersion * rate / sxx):
+        return None
+    got = expect = 0.0
+    for m, (c, secs) in zip(mids, counts, strict=True):
+        got, expect = got + c, expect + max(rate + slope * (m - centre), 0.0) * secs
+        if abs(got - expect) > z_fit * math.sqrt(dispersion * max(expect, 1.0)):
+            return None
+    return t, rate + slope * (t - centre), slope
 
 
 def _dispersion(counts: list[tuple[float, float]]) -> float:
