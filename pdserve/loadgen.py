@@ -213,13 +213,13 @@ def summarize(results: list[Result], duration: float, slo_ttft_ms: float | None,
 
 def _progress(done: int, total: int) -> None:
     """A bar redrawn in place on a terminal; into a log or pipe, a line per tenth of the run."""
-    width = 30
-    filled = int(width * done / total)
     if not sys.stderr.isatty():
         if done == total or int(10 * done / total) > int(10 * (done - 1) / total):
             sys.stderr.write(f"{done}/{total} requests done\n")
             sys.stderr.flush()
         return
+    width = 30
+    filled = int(width * done / total)
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
     if done == total:
         sys.stderr.write("\n")

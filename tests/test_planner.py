@@ -370,7 +370,7 @@ def test_one_bad_block_moves_the_offset_little():
 
 
 def test_steady_forecast_extrapolates_a_ramp_beyond_its_noise():
-    """A rate rising from 10 to 40 per interval over 20 intervals (Poisson counts): the forecast
+    """A rate rising from 10 to 38.5 per interval over 20 intervals (Poisson-like counts): the forecast
     a minute ahead follows the line there, where the stretch's mean lags it; a flat load with
     the same noise plans its mean."""
     rng = random.Random(7)

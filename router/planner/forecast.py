@@ -121,7 +121,7 @@ class Steady:
         self.dispersion = _dispersion(counts)
         self.window_rate = sum(c for c, _ in counts) / sum(s for _, s in counts)
         self.window_start = t - sum(s for _, s in counts)
-        self.ramp = _ramp(t, counts, self.dispersion, self.z_trend)
+        self.ramp = _ramp(t, counts, self.window_rate, self.dispersion, self.z_trend, self.z)
         self._stretch(t, counts)
         self.made.append((t, self.rate, self.window_rate))
         while self.made and t - self.made[0][0] > MEMORY_S:
@@ -170,13 +170,7 @@ class Steady:
 
     def _explains(self, rate: float, newer: list[tuple[float, float]]) -> bool:
         """Whether every newest part of a stretch holds the count `rate` predicts."""
-        k_n = k_d = 0.0
-        for c, s in newer:
-            k_n, k_d = k_n + c, k_d + s
-            expect = rate * k_d
-            if abs(k_n - expect) > self.z * math.sqrt(self.dispersion * max(expect, 1.0)):
-                return False
-        return True
+        return _holds(((c, rate * s) for c, s in newer), self.z, self.dispersion)
 
     def predict(self, t: float) -> float:
         self.persistence = self._learn(max(t - (self.t or t), 1e-9))
@@ -197,35 +191,41 @@ PERSISTENCE_PRIOR = 0.5  # in squared relative jumps: a couple of 50% jumps that
 CHI2_1_Q75 = 1.3233  # the upper quartile of a chi-square with one degree of freedom
 
 
-def _ramp(t: float, counts: list[tuple[float, float]], dispersion: float, z: float,
-          z_fit: float = 2.0) -> tuple[float, float, float] | None:
+def _holds(parts, z: float, dispersion: float) -> bool:
+    """Whether every newest part of a run of intervals, (count, expected count) newest first,
+    holds its cumulative expected count within `z` deviations (widened by `dispersion`)."""
+    got = expect = 0.0
+    for c, e in parts:
+        got, expect = got + c, expect + e
+        if abs(got - expect) > z * math.sqrt(dispersion * max(expect, 1.0)):
+            return False
+    return True
+
+
+def _ramp(t: float, counts: list[tuple[float, float]], rate: float, dispersion: float, z: float,
+          z_fit: float) -> tuple[float, float, float] | None:
     """(t, the fitted rate at t, slope per second) of a straight line through the intervals'
-    rates (newest first in `counts`), each weighed by its length; None unless the slope is `z`
-    standard errors from zero (an interval's count has variance dispersion x rate x length, so
-    the slope's is dispersion x rate / sum(length x (mid - mean mid)^2)) and the line explains
-    every newest part of the window within `z_fit` deviations, as a stretch must (Steady): a
-    step, or a burst at the end, tilts a line too, and is a step's to follow."""
-    if len(counts) < 6:
+    rates (newest first in `counts`, `rate` over them all), each weighed by its length; None
+    unless the slope is `z` standard errors from zero (an interval's count has variance
+    dispersion x rate x length, so the slope's is dispersion x rate / sum(length x (mid - mean
+    mid)^2)) and the line explains every newest part of the window within `z_fit` deviations,
+    as a stretch must (Steady): a step, or a burst at the end, tilts a line too, and is a step's
+    to follow."""
+    if len(counts) < 6 or rate <= 0:
         return None
     mids, end = [], t
     for _, secs in counts:
         mids.append(end - secs / 2)
         end -= secs
-    total = sum(secs for _, secs in counts)
-    rate = sum(c for c, _ in counts) / total
-    centre = sum(m * secs for m, (_, secs) in zip(mids, counts, strict=True)) / total
+    centre = sum(m * secs for m, (_, secs) in zip(mids, counts, strict=True)) / sum(secs for _, secs in counts)
     sxx = sum(secs * (m - centre) ** 2 for m, (_, secs) in zip(mids, counts, strict=True))
-    if sxx <= 0 or rate <= 0:
+    if sxx <= 0:
         return None
     slope = sum((m - centre) * (c - rate * secs) for m, (c, secs) in zip(mids, counts, strict=True)) / sxx
     if abs(slope) < z * math.sqrt(dispersion * rate / sxx):
         return None
-    got = expect = 0.0
-    for m, (c, secs) in zip(mids, counts, strict=True):
-        got, expect = got + c, expect + max(rate + slope * (m - centre), 0.0) * secs
-        if abs(got - expect) > z_fit * math.sqrt(dispersion * max(expect, 1.0)):
-            return None
-    return t, rate + slope * (t - centre), slope
+    line = ((c, max(rate + slope * (m - centre), 0.0) * secs) for m, (c, secs) in zip(mids, counts, strict=True))
+    return (t, rate + slope * (t - centre), slope) if _holds(line, z_fit, dispersion) else None
 
 
 def _dispersion(counts: list[tuple[float, float]]) -> float:
