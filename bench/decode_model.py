@@ -9,15 +9,14 @@ falls off, it prints and writes (JSON) three figures per pool size:
   `--light-rate` for `--light-s` with its pools pinned (its observed against predicted ITL).
 
 The simulator runs the shipped profile, so any correction away from 1 is the model's own
-error. One run (1024 / 128 tokens): uncorrected, the model mostly errs on the safe side at the
-knee (6 req/s, 8 workers: 0.900 against 0.890 served; 10.4 req/s, 13 workers: 0.543 against
-0.808, the worst), but the planner learnt
-0.876 at 2 req/s and then predicted 1.000 at 8 workers and 0.997 at 7, where 0.514 was served
-(10.4 req/s, 12 workers: 1.000 against 0.501). At light load the router's least-loaded
-placement lets most sequences decode alone, and the correction's `1 + batch` counts company
-they did not have, so it reads the profile as fast; near the knee every sequence has company,
-and the correction makes the model optimistic. That is the diurnal shortfall in README's "What
-the simulations show".
+error. Uncorrected, the model mostly errs on the safe side at the knee (1024 / 128 tokens, 6
+req/s, 8 workers: 0.900 against 0.890 served; 10.4 req/s, 13 workers: 0.543 against 0.808, the
+worst). The correction is learnt from each request's TPOT at the batch its decode worker says
+it rode, and comes out at 1.000. It was guessed before, as 1 + the pool's mean batch by
+Little's law; at light load the router's least-loaded placement lets most sequences decode
+alone, so the guess counted company they did not have and learnt 0.876 at 2 req/s, which then
+predicted 1.000 at 8 workers and 0.997 at 7, where 0.514 was served (10.4 req/s, 12 workers:
+1.000 against 0.501): the planner's diurnal shortfall (87.5% of a 90% target).
 
 Run: .venv/bin/python bench/decode_model.py [--rates 3,6,10.4] [--prompt 1024 --output 128]
      [--out bench/out/decode_model.json]

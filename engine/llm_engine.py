@@ -188,6 +188,9 @@ class LLMEngine:
                     out.kv_part = part
                     outputs.append(out)
         for seq, tok, lp, top in zip(sampled, tokens, logprobs, tops, strict=True):
+            if seq.num_output_tokens > 0:  # a decode step (an imported sequence holds its first token)
+                seq.num_decode_steps += 1
+                seq.decode_batch_sum += len(sampled)
             out = self._append_token(seq, tok, lp)
             out.new_top_logprobs = [top]
             outputs.append(out)
@@ -220,6 +223,8 @@ class LLMEngine:
                 self.scheduler.remove(seq)
                 seq.status = SequenceStatus.PREFILLED
         out = self._output(seq, [tok], [lp], text)
+        if reason is not None and seq.num_decode_steps:
+            out.decode_batch = seq.decode_batch_sum / seq.num_decode_steps
         if seq.kv_stream is not None and seq.status is SequenceStatus.PREFILLED:
             out.kv_part = self.export_kv(seq.request_id, *seq.kv_stream)
         if first and seq.first_scheduled_time is not None:

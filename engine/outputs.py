@@ -26,6 +26,8 @@ class RequestOutput:
     # On the output that carries a sequence's first sampled token: seconds from its first
     # scheduling to that token (0 otherwise), so a server needs no second call to learn it.
     prefill_s: float = 0.0
+    # On a finishing output: the mean number of sequences in its decode steps (0: it had none).
+    decode_batch: float = 0.0
     # A request streaming its KV (LLMEngine.add_request's stream_kv_from): what this step made
     # ready to ship. A chunk's output (no tokens) carries the blocks it completed, as copies; the
     # first token's output carries the rest, zero-copy, valid until `release`.

@@ -45,6 +45,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # Its decode steps (a token sampled after the first) and the sequences sampled in them: the
+    # batch it rode, which the planner compares its TPOT with (router/planner/sla.py).
+    num_decode_steps: int = 0
+    decode_batch_sum: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

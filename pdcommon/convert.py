@@ -67,7 +67,7 @@ def tokens_to_proto(outs: list[RequestOutput], **extra) -> wpb.DecodeTokens:
         text = "".join(o.text_delta for o in outs)
     return wpb.DecodeTokens(token_ids=ids, text=text, logprobs=lps,
                             top_logprobs=top_to_proto(tops) if any(tops) else [],
-                            finish_reason=last.finish_reason or "", **extra)
+                            finish_reason=last.finish_reason or "", decode_batch=last.decode_batch, **extra)
 
 
 def layout_to_proto(layout: KVLayout) -> wpb.KVLayout:

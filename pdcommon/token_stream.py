@@ -50,6 +50,7 @@ class TokenChunk:
     top_logprobs: tuple = ()
     kv_transfer_s: float = 0.0
     kv_transfer_bytes: int = 0
+    decode_batch: float = 0.0
 
 
 def pack(request_id: str, attempt: int, key: bytes, chunk: TokenChunk) -> list[bytes]:

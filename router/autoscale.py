@@ -47,7 +47,7 @@ class PlannerLoop:
         t = msg.timings
         ttft_slo, tpot_slo = self.planner.request_slos(len(st.prompt), st.completion_tokens)
         self.finished.append(Finished(len(st.prompt), st.completion_tokens, st.queue_s, t.ttft, t.tpot, ttft_slo,
-                                      tpot_slo))
+                                      tpot_slo, st.decode_batch or None))
         self.prompt_tokens += len(st.prompt)
         self.cached_tokens += st.cached_tokens
         self.open.pop(id(st), None)

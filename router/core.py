@@ -276,6 +276,7 @@ class RouterCore:
                 out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
                                           logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
                 if tok.finish_reason:
+                    st.decode_batch = tok.decode_batch
                     yield self._finish(out, st, tok.finish_reason)
                     return
                 yield out

@@ -26,6 +26,7 @@ WORKER_GAUGES = {"used_blocks": "KV blocks referenced (by live requests)",
                  "kv_shared_peers": "Decode workers that land this prefill worker's KV from its shared memory"}
 _ITL = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
         0.75, 1.0, 2.5)
+_BATCH = (1, 1.5, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class _ClusterCollector:
@@ -138,6 +139,9 @@ class RouterMetrics:
                             "arrival to its last frame landed (wire, checks, landing); for KV streamed in parts "
                             "while the prompt was computed, the last part's, which the second token waits for",
                             buckets=_LATENCY, registry=r)
+        self.decode_batch = Histogram("pdserve:request_decode_batch", "Mean number of sequences in a finished "
+                                      "request's decode steps, as its decode worker counted them (requests without "
+                                      "a decode step are not counted)", buckets=_BATCH, registry=r)
         self.kv_bytes = Counter("pdserve:kv_transfer_bytes", "KV bytes shipped prefill -> decode", registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Generated tokens", registry=r)
@@ -166,6 +170,8 @@ class RouterMetrics:
         t = msg.timings
         self.ttft.observe(t.ttft)
         self.e2e.observe(t.e2e)
+        if st.decode_batch:
+            self.decode_batch.observe(st.decode_batch)
         if st.transfer_bytes:
             self.kv.observe(st.transfer_s)
             self.kv_bytes.inc(st.transfer_bytes)

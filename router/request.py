@@ -62,6 +62,7 @@ class RequestState:
     queue_s: float = 0.0
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    decode_batch: float = 0.0  # the mean batch of its decode steps, as its decode worker counted
     transfer_bytes: int = 0
     prefill_worker: str = ""
     decode_worker: str = ""

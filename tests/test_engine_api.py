@@ -212,3 +212,25 @@ def test_first_output_carries_its_prefill_time(eng):
     while eng.has_unfinished():
         outs += [o for o in eng.step() if o.request_id == "pt"]
     assert outs[0].prefill_s > 0 and all(o.prefill_s == 0 for o in outs[1:])
+
+
+def test_a_finishing_output_says_the_batch_its_decode_steps_had(eng):
+    """The planner compares a request's TPOT with the profile's ITL at the batch it rode, so the
+    engine counts it: sequences sampled together in each decode step, averaged over the steps."""
+    def run(prompts: list[str], max_tokens: list[int]) -> dict[str, float]:
+        ids = [eng.add_request(None, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+               for p, n in zip(prompts, max_tokens, strict=True)]
+        got = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    got[out.request_id] = out.decode_batch
+        return {i: got[i] for i in ids}
+
+    alone = run(["Once upon a time"], [9])
+    assert list(alone.values()) == [1.0]
+    # Prefilled in one step; then three decode steps with both, five with the longer alone.
+    short, long = run(["Once upon a time", "Tom had a"], [4, 9]).values()
+    assert short == 2.0
+    assert long == pytest.approx((3 * 2 + 5 * 1) / 8)
+    assert list(run(["Mia"], [1]).values()) == [0.0]  # no decode step: nothing to say

@@ -163,6 +163,9 @@ def test_prometheus_metrics_agree_with_requests(stories_path):
     assert sample(fams, "pdserve:e2e_request_latency_seconds", "_count") == n + 2
     assert sample(fams, "pdserve:kv_transfer_seconds", "_count") == n + 2
     assert sample(fams, "pdserve:inter_token_latency_seconds", "_count") == n * 9 + 2 * 2
+    # One at a time, each decoded alone (batch 1): the figure the planner's decode correction reads.
+    assert sample(fams, "pdserve:request_decode_batch", "_count") == n + 2
+    assert sample(fams, "pdserve:request_decode_batch", "_sum") == n + 2
     assert sample(fams, "pdserve:kv_transfer_bytes", "_total") >= kv_bytes > 0
     assert sample(fams, "pdserve:request_success", "_total", finished_reason="length") == n + 2
     assert sample(fams, "pdserve:request_success", "_total", finished_reason="abort") == 1

@@ -541,3 +541,27 @@ def test_decode_grows_at_once_when_asked_for_more_tokens_than_it_can_make():
             current, t = dict(decision.desired), t + 3
             assert output > 1 or current["decode"] == 1, decision  # prompts alone never grow decode
     assert current["decode"] >= 2 and decision.inputs["decode_floor"] >= 2, decision
+
+
+def test_decode_correction_compares_each_tpot_with_the_batch_it_rode():
+    """At light load the router's least-loaded placement lets most sequences decode alone. With
+    the batch each rode (its worker counts it), their TPOTs at the profile's batch-1 ITL teach a
+    correction of 1, and a stack 1.5x slower per token teaches 1.5. Guessed from Little's law
+    (no batch given), the same TPOTs read as a fast profile: 1 + the pool's mean batch counts
+    company they did not have, and that correction made the model optimistic at the TPOT knee."""
+    prof = profile()
+
+    def learnt(batch: float | None, slow: float) -> float:
+        p, rng = planner(), random.Random(3)
+        for i in range(6):
+            obs = interval(i, 2, 512, 64, rng)
+            done = [Finished(a.prompt_len, a.output_len, 0.0, 0.2, slow * (
+                prof.itl_seconds(1, a.prompt_len + a.output_len / 2)
+                + prof.transfer_seconds(a.prompt_len) / (a.output_len - 1)), 10.0, 10.0, batch)
+                for a in obs.arrivals]
+            p.plan(Observation(obs.start_s, obs.end_s, obs.arrivals, done), {"prefill": 2, "decode": 4})
+        return p.correction["decode"]
+
+    assert learnt(1.0, 1.0) == pytest.approx(1.0, abs=0.01)
+    assert learnt(1.0, 1.5) == pytest.approx(1.5, abs=0.02)
+    assert learnt(None, 1.0) < 0.97  # the guess this replaces, on the same TPOTs

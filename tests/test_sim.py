@@ -260,3 +260,16 @@ def test_sized_split_sizes_decode_for_the_rate_its_requests_meet_in_bursts():
     sized = sized_split(reqs, settings, 0.9)
     best = best_static(reqs, settings, 0.9, sized)["split"]
     assert 0.8 * best["decode"] <= sized["decode"] <= 1.25 * best["decode"], (sized, best)
+
+
+def test_a_request_reports_the_batch_its_decode_steps_had():
+    """As a decode worker counts it for the planner (engine/llm_engine.py): the mean number of
+    sequences in its decode steps."""
+    alone = run_static([TraceRequest(0.0, 256, 20), TraceRequest(100.0, 256, 20)], {"prefill": 1, "decode": 1})
+    assert [r.rode for r in alone.requests] == [1.0, 1.0]
+    together = run_static([TraceRequest(0.0, 256, 40), TraceRequest(0.0, 256, 10)], {"prefill": 2, "decode": 1})
+    short = next(r for r in together.requests if r.output_len == 10)
+    assert short.rode == 2.0  # both prefilled at once; the short one finishes first
+    long = next(r for r in together.requests if r.output_len == 40)
+    assert long.rode == pytest.approx((9 * 2 + 30 * 1) / 39)
+    assert run_static([TraceRequest(0.0, 256, 1)], {"prefill": 1, "decode": 1}).requests[0].rode is None

@@ -166,7 +166,7 @@ class Reservation(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., num_held_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s", "kv_transfer_bytes", "index")
+    __slots__ = ("token_ids", "text", "logprobs", "top_logprobs", "finish_reason", "kv_transfer_s", "kv_transfer_bytes", "index", "decode_batch")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class DecodeTokens(_message.Message):
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    DECODE_BATCH_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -183,7 +184,8 @@ class DecodeTokens(_message.Message):
     kv_transfer_s: float
     kv_transfer_bytes: int
     index: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_router_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    decode_batch: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_router_pb2.TopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., index: _Optional[int] = ..., decode_batch: _Optional[float] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("reservation", "tokens", "first")

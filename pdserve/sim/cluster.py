@@ -264,7 +264,7 @@ class Cluster:
         self.done.append(req)
         tpot = (req.finish - req.first) / (req.output_len - 1) if req.output_len > 1 else 0.0
         self.window_finished.append(Finished(req.prompt_len, req.output_len, req.queue_s, req.first - req.arrival,
-                                             tpot, req.ttft_slo, req.tpot_slo))
+                                             tpot, req.ttft_slo, req.tpot_slo, req.rode))
 
     def _admit(self) -> None:
         colocated = self.s.mode == "colocated"

@@ -37,6 +37,8 @@ class SimRequest:
     finish: float | None = None
     end_step: int = 0  # the decode worker's step count at which the last token comes
     rejected: bool = False  # needs more KV than a worker has
+    mark: tuple[int, int] = (0, 0)  # its decode worker's (batch_steps, steps) when it joined the batch
+    rode: float | None = None  # the mean batch of its decode steps, as a worker reports it
 
     @property
     def queue_s(self) -> float:
@@ -63,6 +65,7 @@ class SimWorker:
     batch: list = field(default_factory=list)  # heap of (end_step, rid, request)
     joining: list = field(default_factory=list)
     steps: int = 0  # decode steps taken
+    batch_steps: int = 0  # the sum over decode steps of the batch's size
     ctx_base: int = 0  # sum over the batch of (context - steps): the batch's context is this + B * steps
     busy: bool = False
     version: int = 0  # invalidates a scheduled run end when a join cuts it short
@@ -75,6 +78,7 @@ class SimWorker:
     def add_decode(self, req: SimRequest) -> None:
         remaining = req.output_len - 1
         req.end_step = self.steps + remaining
+        req.mark = (self.batch_steps, self.steps)
         heapq.heappush(self.batch, (req.end_step, req.rid, req))
         self.ctx_base += req.prompt_len + 1 - self.steps
 
@@ -83,10 +87,13 @@ class SimWorker:
 
     def advance(self, k: int) -> list[SimRequest]:
         """k decode steps: the sequences that emitted their last token."""
+        self.batch_steps += len(self.batch) * k
         self.steps += k
         out = []
         while self.batch and self.batch[0][0] <= self.steps:
             _, _, req = heapq.heappop(self.batch)
+            if self.steps > req.mark[1]:
+                req.rode = (self.batch_steps - req.mark[0]) / (self.steps - req.mark[1])
             self.ctx_base -= req.prompt_len + 1 - (req.end_step - (req.output_len - 1))  # as add_decode put it
             out.append(req)
         return out

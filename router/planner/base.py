@@ -29,6 +29,7 @@ class Finished:
     tpot_s: float  # (last token - first token) / (tokens - 1); 0 for one-token requests
     ttft_slo_s: float
     tpot_slo_s: float
+    batch: float | None = None  # the mean batch of its decode steps, where its worker counted them
 
     @property
     def met(self) -> bool:
