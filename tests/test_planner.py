@@ -565,3 +565,41 @@ def test_decode_correction_compares_each_tpot_with_the_batch_it_rode():
     assert learnt(1.0, 1.0) == pytest.approx(1.0, abs=0.01)
     assert learnt(1.0, 1.5) == pytest.approx(1.5, abs=0.02)
     assert learnt(None, 1.0) < 0.97  # the guess this replaces, on the same TPOTs
+
+
+def test_the_router_keeps_serving_while_the_planner_plans():
+    """A plan takes a while at scale (0.3-1.2 s at 512 workers' load): it runs off the router's
+    event loop. The plan below waits for an event that only a coroutine on the loop sets; run on
+    the loop itself, it waits in vain (and the test fails after its timeout, not hangs)."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from router.autoscale import PlannerLoop
+    from router.planner import Decision
+
+    loop_ran = threading.Event()
+
+    class WaitingPlanner:
+        name = "waiting"
+
+        def request_slos(self, prompt_len: int, output_len: int) -> tuple[float, float]:
+            return 1.0, 1.0
+
+        def plan(self, obs: Observation, current: dict[str, int]) -> Decision:
+            served = loop_ran.wait(5.0)  # the event loop must get to run meanwhile
+            return Decision(obs.end_s, current, dict(current), dict(current), {"loop_ran": str(served)})
+
+    pools = {"prefill": 1, "decode": 1}
+    core = SimpleNamespace(observers=[], planner_status="", targets=dict(pools), launcher=None,
+                           cfg=SimpleNamespace(roles=list(pools)), members=SimpleNamespace(active=lambda p: [p]))
+
+    async def main() -> Decision:
+        loop = PlannerLoop(core, scaler=None, planner=WaitingPlanner(), interval_s=1.0)
+        tick = asyncio.ensure_future(loop.tick())
+        await asyncio.sleep(0)  # the tick starts planning first
+        loop_ran.set()
+        return await tick
+
+    decision = asyncio.run(main())
+    assert decision.reasons == {"loop_ran": "True"}
