@@ -275,10 +275,11 @@ class PlannerSection(_Strict):
     # The window's highest plan stands in for the next 10 minutes' (a scale-up within 10 minutes
     # of a scale-down is an oscillation). Under a load with no trend, the next H seconds peak
     # above the last W with odds H / (W + H) before the hysteresis margin: 1/2 for a 600 s
-    # window, 2/5 for 900 s. On the Azure code trace at 512 workers, 600 s reversed four
-    # scale-downs and met 89.1% of a 90% target; 900 s reversed one and met 91.1%, for 2-3
-    # points more worker-hours against the best static split on both traces (README).
-    scale_down_window_s: float = Field(900.0, ge=0)
+    # window, 2/5 for 900 s, 1/3 for 1200 s. On the Azure code trace at 512 workers, 600 s
+    # reversed four scale-downs and met 89.1% of a 90% target; 900 s reversed one (decode, 123
+    # -> 93 -> 100 two minutes later: the peak of 123 was 930 s old) and met 91.1%; 1200 s none,
+    # 91.6%, and no trace run reverses one (README), for 1-2 points of worker-hours on Azure.
+    scale_down_window_s: float = Field(1200.0, ge=0)
     cooldown_s: float = Field(120.0, ge=0)
     max_scale_down_fraction: float = Field(0.25, gt=0, le=1)
     hysteresis: float = Field(0.15, ge=0)
