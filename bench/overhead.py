@@ -12,6 +12,9 @@ is measured is the stack itself (issue #10, target 4):
 - 8-token requests at concurrency 16 and 64: requests/s.
 
 Writes bench/out/overhead.json. Run: .venv/bin/python bench/overhead.py
+
+`--compare-event-loops 6` instead runs process clusters on uvloop and on asyncio's loop
+(process.event_loop), alternating, and writes bench/out/overhead_event_loops.json.
 """
 
 from __future__ import annotations
@@ -149,22 +152,53 @@ async def against(url: str, engine: EngineProcess) -> dict:
                 "rps_c16": await throughput(s, url, 16, 200), "rps_c64": await throughput(s, url, 64, 400)}
 
 
-def _against_processes(engine: EngineProcess) -> dict:
+def _against_processes(engine: EngineProcess, event_loop: str | None = None) -> dict:
     """The same measurements against `pdserve up --launcher process` (router in `up`, workers its
-    children), started here and stopped after."""
+    children), started here and stopped after; `event_loop` sets process.event_loop."""
     import signal
     import subprocess
+    import tempfile
 
-    up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--launcher", "process", "--config",
-                           "configs/local.yaml", "--model", str(MODEL), "--port", "0", "--http-port", "0",
-                           "--control-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                          text=True)
-    try:
-        url = next(line.split("HTTP at ")[1].split("/v1")[0] for line in up.stdout if "HTTP at " in line)
-        return asyncio.run(against(url, engine))
-    finally:
-        up.send_signal(signal.SIGINT)
-        up.wait(120)
+    import yaml
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="pdbench-") as conf:
+        cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+        if event_loop:
+            cfg.setdefault("process", {})["event_loop"] = event_loop
+        yaml.safe_dump(cfg, conf)
+        conf.flush()
+        up = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--launcher", "process", "--config",
+                               conf.name, "--model", str(MODEL), "--port", "0", "--http-port", "0",
+                               "--control-port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True)
+        try:
+            url = next(line.split("HTTP at ")[1].split("/v1")[0] for line in up.stdout if "HTTP at " in line)
+            return asyncio.run(against(url, engine))
+        finally:
+            up.send_signal(signal.SIGINT)
+            up.wait(120)
+
+
+def compare_event_loops(engine: EngineProcess, pairs: int) -> dict:
+    """process.event_loop uvloop against asyncio, process clusters one after the other, the
+    order alternating; per metric the medians and how many pairs uvloop won. (The client here
+    runs on asyncio's loop either way.) This host's speed moves from one minute to the next,
+    so one pair says little."""
+    runs: dict[str, list[dict]] = {"uvloop": [], "asyncio": []}
+    for i in range(pairs):
+        for kind in (("uvloop", "asyncio") if i % 2 == 0 else ("asyncio", "uvloop")):
+            runs[kind].append(_against_processes(engine, kind))
+            r = runs[kind][-1]
+            print(f"pair {i} {kind:8s}: 1-token p50 {r['one_token_p50_s'] * 1e3:.1f} ms, req/s c16 "
+                  f"{r['rps_c16']:.0f} c64 {r['rps_c64']:.0f}, stream ITL {r['stream_itl_s'] * 1e3:.2f} ms")
+    out: dict = {"pairs": pairs, "runs": runs}
+    for key, lower in (("one_token_p50_s", True), ("rps_c16", False), ("rps_c64", False), ("stream_itl_s", True)):
+        uv, std = [r[key] for r in runs["uvloop"]], [r[key] for r in runs["asyncio"]]
+        out[key] = {"uvloop": statistics.median(uv), "asyncio": statistics.median(std),
+                    "uvloop_better": sum((a < b) if lower else (a > b) for a, b in zip(uv, std, strict=True))}
+        print(f"{key}: uvloop {out[key]['uvloop']:.4g}, asyncio {out[key]['asyncio']:.4g} "
+              f"(uvloop better in {out[key]['uvloop_better']} of {pairs} pairs)")
+    return out
 
 
 def main() -> int:
@@ -172,8 +206,19 @@ def main() -> int:
     ap.add_argument("--out", default=str(OUT / "overhead.json"))
     ap.add_argument("--launcher", choices=["ray", "process"], default="ray",
                     help="how the cluster runs: Ray actors, or `pdserve up --launcher process`")
+    ap.add_argument("--compare-event-loops", type=int, default=0, metavar="PAIRS",
+                    help="instead: process clusters on uvloop and on asyncio's loop, PAIRS of each")
     args = ap.parse_args()
     engine = EngineProcess()
+    if args.compare_event_loops:
+        result = compare_event_loops(engine, args.compare_event_loops)
+        engine.close()
+        out = Path(args.out).with_name("overhead_event_loops.json") if args.out == str(OUT / "overhead.json") \
+            else Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"-> {out}")
+        return 0
     if args.launcher == "ray":
         from pdcommon.config import load_config
         from pdserve.launch.cluster import RayCluster

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, create_model, model_validator
 
 from engine.config import EngineConfig
+from pdcommon.event_loop import EventLoopKind
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,8 @@ class ProcessSection(_Strict):
     # the engine alone on the same schedule), TTFT p50 was 1.20-1.37x the engine's at 10 and
     # 1.05-1.07x at 4, TPOT 1.07-1.23x and 0.99-1.07x.
     io_nice: int = Field(4, ge=0, le=19)
+    # The serving components' event loop (pdcommon/event_loop.py says what uvloop bought).
+    event_loop: EventLoopKind = "uvloop"
     # Added to the nice value of the KV sender's and receiver's threads: hashing, copying and
     # landing KV, bulk work that can wait for the engine.
     kv_nice: int = Field(10, ge=0, le=19)

@@ -11,6 +11,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdcommon.event_loop import EventLoopKind
 
 DEMO_PROMPTS = ["Once upon a time", "Lily and Ben went to the park", "The little dog was sad because"]
 
@@ -127,7 +131,7 @@ def _up_processes(cfg, t0: float) -> int:
         _print_endpoints(cfg, server.control_address, server.core.http_address)
 
     try:
-        return _run_async(lambda stop: run_local(cfg, stop, ready))
+        return _run_async(lambda stop: run_local(cfg, stop, ready), cfg.process.event_loop)
     finally:
         print("stopped", flush=True)
         remove_secret(secret)
@@ -342,7 +346,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_async(coro) -> int:
+def _run_async(coro, event_loop: EventLoopKind) -> int:
+    from pdcommon import event_loop as loops
     from pdcommon.security import SecurityConfigError
 
     async def main() -> None:
@@ -360,7 +365,7 @@ def _run_async(coro) -> int:
         await coro(stop)
 
     try:
-        asyncio.run(main())
+        loops.run(main(), event_loop)
     except SecurityConfigError as e:  # a standalone component never makes up its own secret
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -386,7 +391,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         started.add_done_callback(lambda f: lower_thread_priority(cfg.process.io_nice))
         await serve(cfg, launcher, stop, started)
 
-    return _run_async(run)
+    return _run_async(run, cfg.process.event_loop)
 
 
 def _cmd_worker(args: argparse.Namespace, role: str) -> int:
@@ -410,7 +415,7 @@ def _cmd_worker(args: argparse.Namespace, role: str) -> int:
         started.add_done_callback(lambda f: lower_thread_priority(cfg.process.io_nice))
         await serve_worker(cfg, role, worker_id, router_addr, stop, started)
 
-    return _run_async(run)
+    return _run_async(run, cfg.process.event_loop)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from pdcommon.client import ControlClient, RouterClient
 from pdcommon.config import ClusterConfig
+from pdcommon.event_loop import new_event_loop
 from pdcommon.security import ClusterIdentity, provision_token, remove_secret
 from pdcommon.worker_runtime import WorkerRuntime
 from pdserve.launch.roles import serve_worker
@@ -22,7 +23,7 @@ class InProcessCluster:
     def __init__(self, cfg: ClusterConfig, counts: dict[str, int] | None = None) -> None:
         self.cfg = cfg
         self.counts = counts or {role: cfg.pool(role).replicas for role in cfg.roles}
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop(cfg.process.event_loop)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.router: RouterServer | None = None
         self.address = ""

@@ -8,14 +8,18 @@ import logging
 import threading
 from collections.abc import Callable, Coroutine
 
+from pdcommon import event_loop as loops
+from pdcommon.event_loop import EventLoopKind
 from pdcommon.priority import lower_thread_priority
 
 
 class LoopHost:
     """Runs one async serve() in a thread; `started` gets its address."""
 
-    def __init__(self, make: Callable[[asyncio.Event, asyncio.Future], Coroutine], io_nice: int = 0) -> None:
+    def __init__(self, make: Callable[[asyncio.Event, asyncio.Future], Coroutine], io_nice: int = 0,
+                 event_loop: EventLoopKind = "uvloop") -> None:
         self._ready = threading.Event()
+        self._event_loop = event_loop
         self._address = ""
         self._error: BaseException | None = None
         self._make = make
@@ -44,7 +48,7 @@ class LoopHost:
                 raise
 
         try:
-            asyncio.run(main())
+            loops.run(main(), self._event_loop)
         except BaseException:
             logging.getLogger(__name__).exception("server thread ended with an error")
 
