@@ -546,8 +546,13 @@ def ttft_split(quick: bool) -> list[dict]:
                 "engine.max_num_batched_tokens": 4096, "engine.kv_cache_memory_bytes": 512 << 20,
                 "heartbeat.interval_s": 1.0, **overrides}))
             clients[kind] = stack.enter_context(RouterClient(address))
-            for w in range(2):  # warm-up (the first maps the prefill pool where shared)
-                clients[kind].generate(make_request(random_prompt(64, seed=1 + w), max_tokens=2))
+            # Warm-up: two transfers. The first between two workers carries the prefill pool's
+            # offer and goes over the socket; shared memory starts with the next. The prompts must
+            # be longer than router.local_prefill_max_tokens (256 unset), or the decode worker
+            # prefills them itself and nothing moves: with 64-token warm-ups, the first measured
+            # 2048-token prompt was the first transfer, its second token 5-8x the ITL behind the first.
+            for w in range(2):
+                clients[kind].generate(make_request(random_prompt(512, seed=1 + w), max_tokens=2))
         for n in (128, 2048):
             for r in range(3 if quick else 5):
                 for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
