@@ -259,14 +259,22 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.DATA_LOSS, f"KV transfer rejected: {e}")
         self.pending.pop(rid, None)
         kv = {"kv_transfer_s": took, "kv_transfer_bytes": nbytes}
+        if direct:
+            # The figures leave before the commit, while the engine has nothing of this request
+            # to step. Sent after it, their write (and the router reading them) ran beside the
+            # sequence's first decode step, whose two threads had both cores: that step took 2x
+            # its time now and then. 2048-token prompts, 1P+1D, the two orders on two clusters
+            # in turn (14 each): the second token more than 2 ITLs after the first 1 time against
+            # 5, gap / ITL median 1.73 against 1.88 (the typical gap 0.5 ms longer, the write
+            # now before the step).
+            yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(**kv))
         final = await self.rt.engine_loop.call(self.rt.engine.commit_import, rid, int(meta["first_token"]),
                                                float(meta["first_logprob"]))
-        if final is not None:
+        if final is not None:  # the router takes figures-only messages apart from the stream's last
             yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(finish_reason=final.finish_reason or "stop",
                                                              text=final.text_delta, **kv))
             return
         if direct:
-            yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(**kv))
             return
         out, _ = await self.rt.engine_loop.next(q)
         yield wpb.DecodeResponse(tokens=tokens_to_proto([out], **kv))
