@@ -213,12 +213,8 @@ def main() -> int:
     if args.compare_event_loops:
         result = compare_event_loops(engine, args.compare_event_loops)
         engine.close()
-        out = Path(args.out).with_name("overhead_event_loops.json") if args.out == str(OUT / "overhead.json") \
-            else Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        print(f"-> {out}")
-        return 0
+        return _write(result, Path(args.out).with_name("overhead_event_loops.json")
+                      if args.out == str(OUT / "overhead.json") else Path(args.out))
     if args.launcher == "ray":
         from pdcommon.config import load_config
         from pdserve.launch.cluster import RayCluster
@@ -238,9 +234,13 @@ def main() -> int:
           f"(stack adds {100 * result['stack_overhead']:.0f}%, median of the rounds' pairs); "
           f"1-token request p50 {r['one_token_p50_s'] * 1e3:.1f} ms; "
           f"8-token req/s at c16 {r['rps_c16']:.1f}, c64 {r['rps_c64']:.1f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"-> {args.out}")
+    return _write(result, Path(args.out))
+
+
+def _write(result: dict, out: Path) -> int:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"-> {out}")
     return 0
 
 

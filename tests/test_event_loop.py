@@ -1,6 +1,6 @@
-"""Components serve on the loop `process.event_loop` names (uvloop by default), through each
-launcher's own way of starting a loop: the CLI's runner, a Ray actor's LoopHost and the
-in-process cluster."""
+"""Components serve on the loop `process.event_loop` names (uvloop by default): through
+`event_loop.run` (what the CLI's runner calls), a Ray actor's LoopHost and the in-process
+cluster."""
 
 from __future__ import annotations
 
