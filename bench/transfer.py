@@ -34,6 +34,10 @@ many transfers open at once cannot block on one: `raw_grpc_nonblocking` makes th
 as `.future()` and waits on its done-callback, as the gRPC transport's sender thread does, and
 its `paired_vs_raw_grpc` (against blocking calls alternating with it) is what gRPC's own
 non-blocking path costs before the transport does anything (about 0.2 ms a call here).
+A KV of one 4 MiB chunk or less goes as a blocking unary call on a sender pool thread
+(transfer/grpc_transport.py), so up to that size there is also `raw_grpc_unary`, the same bytes
+as one blocking unary call: the gRPC rows' `vs_raw_grpc_unary` and `paired_vs_raw_unary` compare
+with it, the cheapest call gRPC offers.
 
 Part 2: TTFT split into queue / prefill / first-token delivery, plus the KV transfer time, for
 128- and 2048-token prompts through a real router + prefill + decode on the 50M model.
@@ -123,12 +127,14 @@ def tls_credentials(certs_dir: str | None) -> dict:
 
 
 RAW_GRPC_METHOD = "/bench.Raw/Push"
+RAW_GRPC_UNARY_METHOD = "/bench.Raw/One"
 
 
 def _raw_grpc_server():
     """The gRPC baseline: a client-streaming call of raw byte chunks, read and dropped, then a
-    one-message reply. Same chunking as the gRPC transport; no header, checks or landing.
-    Returns the started server and its address."""
+    one-message reply. Same chunking as the gRPC transport; no header, checks or landing. Also a
+    unary method taking the bytes as one message, the call the transport makes for a KV of one
+    chunk. Returns the started server and its address."""
     from concurrent import futures
 
     import grpc
@@ -139,9 +145,13 @@ def _raw_grpc_server():
         n = sum(len(c) for c in chunks)
         return str(n).encode()
 
+    def one(chunk, context) -> bytes:
+        return str(len(chunk)).encode()
+
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push)}),))
+        "bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push),
+                      "One": grpc.unary_unary_rpc_method_handler(one)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
@@ -187,24 +197,29 @@ class RawBaseline:
 
             self.channel = grpc.insecure_channel(addrs["raw"], options=_OPTIONS)
             self.call = self.channel.stream_unary(RAW_GRPC_METHOD)
+            self.one = self.channel.unary_unary(RAW_GRPC_UNARY_METHOD)
         else:
             self.zctx = zmq.Context()
             self.push, self.pull = self.zctx.socket(zmq.PUSH), self.zctx.socket(zmq.PULL)
             self.push.connect(addrs["raw"][0])
             self.pull.connect(addrs["raw"][1])
 
-    def send(self, whole: memoryview, step: int | None = None, nonblocking: bool = False) -> float:
+    def send(self, whole: memoryview, step: int | None = None, nonblocking: bool = False,
+             unary: bool = False) -> float:
         """Seconds for one transfer of `whole`, in the transport's own pieces: gRPC chunks, each
         copied to bytes (gRPC takes only bytes), or one zero-copy ZeroMQ message per `step` bytes
         (default: a frame, transfer.max_frame_bytes), each acknowledged. As one message, 256 MiB
         moved at half the rate: ZeroMQ's receiver takes a message whole. `nonblocking`: the gRPC
-        call as `.future()`, waited for through its done-callback."""
+        call as `.future()`, waited for through its done-callback. `unary`: the bytes as one message
+        of a blocking unary call (gRPC only, at most one chunk)."""
         import threading
 
         from transfer.grpc_transport import CHUNK
 
         t0 = time.perf_counter()
-        if self.transport == "grpc":
+        if self.transport == "grpc" and unary:
+            self.one(bytes(whole), timeout=120)
+        elif self.transport == "grpc":
             chunks = iter([bytes(whole[i:i + CHUNK]) for i in range(0, whole.nbytes, CHUNK)])
             if nonblocking:
                 done = threading.Event()
@@ -232,20 +247,23 @@ class RawBaseline:
 
 
 def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
-    """Blocking calls (the baseline) and non-blocking ones, alternating; the first of each warms up."""
+    """Blocking calls (the baseline), non-blocking ones and, up to one chunk, blocking unary
+    calls, alternating; the first of each warms up."""
     raw, rows = RawBaseline("grpc", addrs), []
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
         whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-        times: dict[bool, list[float]] = {False: [], True: []}
+        kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_unary"] if whole.nbytes <= grpc_chunk() else [])]
+        times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(_reps(size, reps) + 1):
-            for nb in ((False, True) if r % 2 else (True, False)):
-                times[nb].append(raw.send(whole, nonblocking=nb))
-        for nb, name in ((False, "raw_grpc"), (True, "raw_grpc_nonblocking")):
-            best = min(times[nb][1:])
-            rows.append({"transport": name, "mib": size, "seconds": best, "gb_per_s": n * block_nbytes / best / 1e9})
-        rows[-1]["paired_vs_raw_grpc"] = statistics.median(b / f for b, f in zip(times[False][1:], times[True][1:],
-                                                                               strict=True))
+            for k in (kinds if r % 2 else kinds[::-1]):
+                times[k].append(raw.send(whole, nonblocking=k == "raw_grpc_nonblocking", unary=k == "raw_grpc_unary"))
+        for k in kinds:
+            best = min(times[k][1:])
+            rows.append({"transport": k, "mib": size, "seconds": best, "gb_per_s": n * block_nbytes / best / 1e9})
+            if k != "raw_grpc":
+                rows[-1]["paired_vs_raw_grpc"] = statistics.median(
+                    b / f for b, f in zip(times["raw_grpc"][1:], times[k][1:], strict=True))
     raw.close()
     return rows
 
@@ -350,6 +368,12 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, cu
         raw_server.stop(0)
 
 
+def grpc_chunk() -> int:
+    from transfer.grpc_transport import CHUNK
+
+    return CHUNK
+
+
 def _cpu_s(child_pid: int) -> float:
     """CPU seconds (user + system, every thread) of this process and the receiver's: on two cores,
     a transfer whose ZeroMQ I/O threads already keep both cores busy pays for every byte touched."""
@@ -432,17 +456,20 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     totals: dict[str, float] = {}
     raw = RawBaseline(transport, addrs)
     raw_times: dict[tuple[int, int], float] = {}
+    unary_times: dict[tuple[int, int], float] = {}  # gRPC, up to one chunk: a raw unary call
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
         whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-        # Interleaved, in alternating order: every mode and the raw baseline see the same noise,
+        # Interleaved, in alternating order: every mode and the raw baselines see the same noise,
         # none always goes first.
-        kinds = (*modes, "raw")
+        unary = transport == "grpc" and whole.nbytes <= grpc_chunk()
+        kinds = (*modes, "raw", *(("raw_unary",) if unary else ()))
         order = [(r, m) for r in range(_reps(size, reps) + 1) for m in (kinds if r % 2 else kinds[::-1])]
         cpu = 0.0
         for r, mode in order:
-            if mode == "raw":
-                raw_times[(size, r)] = raw.send(whole)
+            if mode in ("raw", "raw_unary"):
+                times = unary_times if mode == "raw_unary" else raw_times
+                times[(size, r)] = raw.send(whole, unary=mode == "raw_unary")
                 continue
             cpu0 = _cpu_s(proc.pid)
             rid = f"{transport}-{variant}-{mode}-{size}-{r}"
@@ -460,7 +487,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
             export_times[rid] = t1 - t0
             totals[rid] = time.perf_counter() - t0
             cpu += _cpu_s(proc.pid) - cpu0
-        cpu_ms[size] = 1e3 * cpu / (len(order) - len(order) // len(kinds))
+        cpu_ms[size] = 1e3 * cpu / ((_reps(size, reps) + 1) * len(modes))
     raw.close()
     ctrl_q.put("stop")
     recv = result_q.get(timeout=60)
@@ -489,6 +516,10 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
         rows[-1]["paired_vs_raw"] = statistics.median(
             raw_times[(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
             for r in range(1, _reps(size, reps) + 1))
+        if (size, 1) in unary_times:
+            rows[-1]["paired_vs_raw_unary"] = statistics.median(
+                unary_times[(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
+                for r in range(1, _reps(size, reps) + 1))
         if mode == "token" and "off" in modes:
             # Each repetition's two transfers ran back to back: the median of their ratios is what
             # the machine's noise (shared, bursty) disturbs least.
@@ -656,17 +687,22 @@ def main() -> int:
             result["throughput"] += bench_transport(transport, SIZES_MIB, reps, variant)
     raw = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_zmq"}
     raw_grpc = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc"}
+    raw_unary = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc_unary"}
     result["security"] = security_summary(result["throughput"])
     for r in result["throughput"]:
         r["vs_raw_zmq"] = r["gb_per_s"] / raw[r["mib"]]
-        if r["transport"] in ("grpc", "raw_grpc_nonblocking"):  # against a raw gRPC stream of the same bytes
+        if r["transport"] in ("grpc", "raw_grpc_nonblocking", "raw_grpc_unary"):  # a raw gRPC stream, same bytes
             r["vs_raw_grpc"] = r["gb_per_s"] / raw_grpc[r["mib"]]
+        if r["transport"] == "grpc" and r["mib"] in raw_unary:  # and the call the transport makes for one chunk
+            r["vs_raw_grpc_unary"] = r["gb_per_s"] / raw_unary[r["mib"]]
         print(f"{r['transport']:20s} {r.get('security', ''):11s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
               f"({100 * r['vs_raw_zmq']:5.1f}% of raw zmq"
               + (f", {100 * r['vs_raw_grpc']:5.1f}% of raw grpc)" if "vs_raw_grpc" in r else ")")
               + (f"  paired with its raw baseline: {100 * r['paired_vs_raw']:5.1f}%" if "paired_vs_raw" in r else "")
               + (f"  paired with blocking calls: {100 * r['paired_vs_raw_grpc']:5.1f}%"
                  if "paired_vs_raw_grpc" in r else "")
+              + (f"  paired with raw unary calls: {100 * r['paired_vs_raw_unary']:5.1f}%"
+                 if "paired_vs_raw_unary" in r else "")
               + (f"  CPU {r['cpu_ms_per_transfer']:.1f} ms" if "cpu_ms_per_transfer" in r else "")
               + (f"  pack {r['breakdown_s']['pack'] * 1e3:.1f} ms, wire+ack "
                  f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "

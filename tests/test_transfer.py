@@ -459,25 +459,107 @@ def test_grpc_sends_a_one_chunk_kv_as_one_message_and_a_larger_header_ahead():
         rx.close()
 
 
+def _kv_transfer_server(one, stream):
+    """A plain gRPC server offering the transport's two methods with the given handlers."""
+    from concurrent import futures
+
+    import grpc
+
+    from transfer.grpc_transport import _OPTIONS
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KVTransfer", {
+        "PushOne": grpc.unary_unary_rpc_method_handler(one), "Push": grpc.stream_unary_rpc_method_handler(stream)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"grpc://127.0.0.1:{port}"
+
+
+def test_grpc_sends_a_one_chunk_kv_as_a_unary_call_and_a_larger_one_as_a_stream():
+    """Which method the sender calls, seen by a plain gRPC server offering both: a one-chunk KV
+    goes to PushOne in one message, a larger one to the Push stream."""
+    import msgpack
+
+    from transfer.grpc_transport import CHUNK, _opening
+
+    seen = []
+
+    def one(msg, context):
+        seen.append(("PushOne", len(_opening(msg)[2])))
+        return msgpack.packb({"ok": True})
+
+    def stream(chunks, context):
+        seen.append(("Push", sum(len(c) for c in chunks)))
+        return msgpack.packb({"ok": True})
+
+    server, address = _kv_transfer_server(one, stream)
+    tx = make_sender("grpc")
+    try:
+        small, small_frames = make_payload()
+        big, big_frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
+        for h, fs in ((small, small_frames), (big, big_frames)):
+            assert _wait(tx, tx.send(address, h, fs, timeout_s=10)).state is TransferState.DONE
+        assert seen[0] == ("PushOne", small.total_bytes)
+        assert seen[1][0] == "Push" and seen[1][1] > big.total_bytes  # the opening, then both frames
+    finally:
+        tx.close()
+        server.stop(0)
+
+
+def test_grpc_one_chunk_kv_goes_as_a_stream_while_every_call_thread_is_held():
+    """A slow peer holds the sender's call threads until their deadlines: the next one-chunk KV
+    does not queue behind them, it goes as a stream (and completes while they still wait)."""
+    import msgpack
+
+    from transfer.grpc_transport import CALL_THREADS
+
+    release = threading.Event()
+
+    def one(msg, context):
+        release.wait(10)
+        return msgpack.packb({"ok": True})
+
+    def stream(chunks, context):
+        list(chunks)
+        return msgpack.packb({"ok": True})
+
+    server, address = _kv_transfer_server(one, stream)
+    tx = make_sender("grpc")
+    try:
+        held = [tx.send(address, *make_payload(seed=i), timeout_s=10) for i in range(CALL_THREADS)]
+        extra = _wait(tx, tx.send(address, *make_payload(seed=99), timeout_s=10), timeout=5)
+        assert extra.state is TransferState.DONE and not any(h.done for h in held)
+        release.set()
+        assert all(_wait(tx, h).state is TransferState.DONE for h in held)
+    finally:
+        release.set()
+        tx.close()
+        server.stop(0)
+
+
 def test_grpc_opening_that_misstates_its_lengths_is_refused():
     import struct
 
     import grpc
     import msgpack
 
-    from transfer.grpc_transport import METHOD
+    from transfer.grpc_transport import METHOD, METHOD_ONE
 
     rx = make_receiver("grpc", host="127.0.0.1")
     try:
         with grpc.insecure_channel(rx.address.removeprefix("grpc://")) as ch:
-            call = ch.stream_unary(METHOD)
+            stream, unary = ch.stream_unary(METHOD), ch.unary_unary(METHOD_ONE)
             header, frames = make_payload()
             raw = header.encode()
             short = struct.pack("<II", len(raw), 0) + raw + bytes(frames[0])  # frames 1 and 2 missing
             for first in (b"\x01\x00", struct.pack("<II", 1 << 30, 32) + bytes(64),
                           struct.pack("<II", 10, 32) + bytes(20), short):
-                ack = msgpack.unpackb(call(iter([first]), timeout=10))
-                assert not ack["ok"] and "opening" in ack["err"]
+                for ack in (stream(iter([first]), timeout=10), unary(first, timeout=10)):
+                    ack = msgpack.unpackb(ack)
+                    assert not ack["ok"] and "opening" in ack["err"]
+            # The unary method's one message must hold every frame: nothing can follow it.
+            ack = msgpack.unpackb(unary(struct.pack("<II", len(raw), 0) + raw, timeout=10))
+            assert not ack["ok"] and "truncated" in ack["err"]
         assert rx.poll(0.1) == []  # nothing reached the owner
     finally:
         rx.close()
