@@ -432,14 +432,23 @@ def test_zmq_first_frame_rides_with_the_header():
 
 
 def test_grpc_sends_a_one_chunk_kv_as_one_message_and_a_larger_header_ahead():
-    from transfer.grpc_transport import CHUNK, _chunks
+    from transfer.grpc_transport import _FRAME, CHUNK, _chunks, _opening
+    from transfer.wire import checksum, frame_tag
 
     header, frames = make_payload()
-    (only,) = list(_chunks(header, frames, key=b"k" * 32))  # header, tag and all frames together
-    assert only.endswith(b"".join(bytes(f) for f in frames))
+    key = b"k" * 32
+    (only,) = list(_chunks(header, frames, key=key))  # header, tag and all frames together
+    rest = _opening(only)[2]
+    for i, f in enumerate(frames):  # each frame after its index, digest and tag
+        index, digest, tlen = _FRAME.unpack_from(rest)
+        tag, rest = bytes(rest[_FRAME.size:_FRAME.size + tlen]), rest[_FRAME.size + tlen:]
+        assert (index, digest, tag) == (i, checksum(f), frame_tag(key, header.transfer_id, i, digest))
+        assert bytes(rest[:f.nbytes]) == bytes(f)
+        rest = rest[f.nbytes:]
+    assert rest.nbytes == 0
     big, big_frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
     msgs = list(_chunks(big, big_frames, key=None))
-    assert len(msgs) == 3 and len(msgs[0]) < 4096 and [len(m) for m in msgs[1:]] == [CHUNK, CHUNK]
+    assert len(msgs) == 3 and len(msgs[0]) < 4096 and [len(m) for m in msgs[1:]] == [CHUNK + _FRAME.size] * 2
     # Through a receiver: both shapes land frame by frame, equal to what was sent.
     sink = RecordingSink()
     rx = make_receiver("grpc", host="127.0.0.1", sink=sink)
@@ -499,7 +508,7 @@ def test_grpc_sends_a_one_chunk_kv_as_a_unary_call_and_a_larger_one_as_a_stream(
         big, big_frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
         for h, fs in ((small, small_frames), (big, big_frames)):
             assert _wait(tx, tx.send(address, h, fs, timeout_s=10)).state is TransferState.DONE
-        assert seen[0] == ("PushOne", small.total_bytes)
+        assert seen[0][0] == "PushOne" and seen[0][1] > small.total_bytes  # every frame, each after its prefix
         assert seen[1][0] == "Push" and seen[1][1] > big.total_bytes  # the opening, then both frames
     finally:
         tx.close()
@@ -537,6 +546,49 @@ def test_grpc_one_chunk_kv_goes_as_a_stream_while_every_call_thread_is_held():
         server.stop(0)
 
 
+def test_grpc_hashes_each_frame_when_its_turn_comes():
+    """A larger KV's digests are not all computed before its first byte leaves: each frame is
+    hashed as it is cut into chunks (its prefix carries the digest of the bytes sent then)."""
+    from transfer.grpc_transport import _FRAME, CHUNK, _chunks
+    from transfer.wire import checksum
+
+    header, frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
+    for info in header.frames:  # as the prefill worker packs a KV: digests left to the transport
+        info.checksum = 0
+    second = bytearray(frames[1])
+    original = bytes(second)
+    frames = [frames[0], memoryview(second)]
+    msgs = _chunks(header, frames, key=None)
+    next(msgs), next(msgs)  # the opening and the first frame are on their way
+    second[:8] = b"changed!"  # what the second frame holds by the time its turn comes
+    _, digest, _ = _FRAME.unpack_from(next(msgs))
+    assert digest == checksum(bytes(second)) != checksum(original)
+
+
+def test_grpc_frame_not_signed_with_the_reservation_key_is_refused():
+    import grpc
+    import msgpack
+
+    from transfer.grpc_transport import _FRAME, _OPENING, METHOD_ONE, _chunks
+
+    key = b"k" * 32
+    rx = make_receiver("grpc", host="127.0.0.1", keys=lambda h: key)
+    try:
+        with grpc.insecure_channel(rx.address.removeprefix("grpc://")) as ch:
+            call = ch.unary_unary(METHOD_ONE)
+            header, frames = make_payload()
+            good = next(_chunks(header, frames, key))
+            hlen, tlen = _OPENING.unpack_from(good)
+            at = _OPENING.size + hlen + tlen + _FRAME.size  # the first frame's tag
+            bad = bytearray(good)
+            bad[at] ^= 0xFF
+            ack = msgpack.unpackb(call(bytes(bad), timeout=10))
+            assert not ack["ok"] and "not signed" in ack["err"]
+            assert rx.poll(0.1) == []  # refused before it reached the owner
+    finally:
+        rx.close()
+
+
 def test_grpc_opening_that_misstates_its_lengths_is_refused():
     import struct
 
@@ -553,10 +605,13 @@ def test_grpc_opening_that_misstates_its_lengths_is_refused():
             raw = header.encode()
             short = struct.pack("<II", len(raw), 0) + raw + bytes(frames[0])  # frames 1 and 2 missing
             for first in (b"\x01\x00", struct.pack("<II", 1 << 30, 32) + bytes(64),
-                          struct.pack("<II", 10, 32) + bytes(20), short):
+                          struct.pack("<II", 10, 32) + bytes(20)):
                 for ack in (stream(iter([first]), timeout=10), unary(first, timeout=10)):
                     ack = msgpack.unpackb(ack)
                     assert not ack["ok"] and "opening" in ack["err"]
+            for ack in (stream(iter([short]), timeout=10), unary(short, timeout=10)):  # a frame with no prefix
+                ack = msgpack.unpackb(ack)
+                assert not ack["ok"] and ("was due" in ack["err"] or "truncated" in ack["err"])
             # The unary method's one message must hold every frame: nothing can follow it.
             ack = msgpack.unpackb(unary(struct.pack("<II", len(raw), 0) + raw, timeout=10))
             assert not ack["ok"] and "truncated" in ack["err"]
