@@ -3,22 +3,24 @@
 One call per transfer on a generic method; messages are raw bytes (no protobuf around bulk data).
 The first holds the lengths of the msgpack header and of its tag under the reservation's transfer
 key, then both, then, when the KV fits one chunk, all its frames; otherwise chunks of the frames
-follow. Each frame comes after its index, xxh3 digest and tag (wire.frame_tag), hashed as it is
-cut into chunks, as on ZeroMQ: with every digest in the header, the sender hashed the whole KV
-before its first byte left (256 MiB: ~9 ms here). The reply is the msgpack acknowledgement. The
-header's tag is checked before any frame is read, and a frame's before its bytes are. A KV of one
-chunk is so one message each way: against three
-(header, tag, chunk), a 1 MiB transfer took 7-12% less time (paired, one process pair). Under mtls
-the call runs over TLS with the cluster's certificates (passed in as plain grpc credentials).
+follow. The reply is the msgpack acknowledgement. Under mtls the call runs over TLS with the
+cluster's certificates (passed in as plain grpc credentials).
 
-That one message goes as a unary call (PushOne), made blocking on a small pool of the sender's
-threads. A client-streaming call starts a thread per call to drain its request iterator, and a
-non-blocking call (`.future()`) hands its completion to the channel's polling thread; a blocking
-unary call has neither. 1 MiB through the real receiver, two processes, 95 pairs each time: 0.80
-and 0.84x the time of the stream (faster in 86 and 82 of 95); in bench/transfer.py's setting,
-1.06-1.07x the stream's throughput with token checks against the stream's without. The same unary
-call made with `.future()` from the sender thread took 1.4-1.55x the stream's time. With every pool thread busy
-(a slow peer holds one until its deadline), a transfer goes as a stream: nobody waits for a thread."""
+Each frame comes after its index, xxh3 digest and tag (wire.frame_tag), hashed as it is cut into
+chunks, as on ZeroMQ. With every digest in the header instead, the sender hashed the whole KV
+before its first byte left (256 MiB: ~9 ms here). The header's tag is checked before any frame is
+read, and a frame's before its bytes are.
+
+A KV of one chunk is one message each way: against three (header, tag, chunk), a 1 MiB transfer
+took 7-12% less time (paired, one process pair). That message goes as a unary call (PushOne),
+made blocking on a small pool of the sender's threads. A client-streaming call starts a thread per
+call to drain its request iterator, and a non-blocking call (`.future()`) hands its completion to
+the channel's polling thread; a blocking unary call has neither. 1 MiB through the real receiver,
+two processes, 95 pairs each time: 0.80 and 0.84x the time of the stream (faster in 86 and 82 of
+95); in bench/transfer.py's setting, 1.06-1.07x the stream's throughput with token checks against
+the stream's without. The same unary call made with `.future()` from the sender thread took
+1.4-1.55x the stream's time. With every pool thread busy (a slow peer holds one until its
+deadline), a transfer goes as a stream: nobody waits for a thread."""
 
 from __future__ import annotations
 
