@@ -256,7 +256,7 @@ def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: i
         kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_unary"] if whole.nbytes <= grpc_chunk() else [])]
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(_reps(size, reps) + 1):
-            for k in (kinds if r % 2 else kinds[::-1]):
+            for k in _turn(kinds, r):
                 times[k].append(raw.send(whole, nonblocking=k == "raw_grpc_nonblocking", unary=k == "raw_grpc_unary"))
         for k in kinds:
             best = min(times[k][1:])
@@ -368,6 +368,14 @@ def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, cu
         raw_server.stop(0)
 
 
+def _turn(kinds, r: int) -> list:
+    """The order of the kinds in repetition r: rotated by one each time, so that every kind takes
+    every place equally often. Alternating forward and reversed order kept the middle kinds of
+    three or four (token mode among them) in the middle places in every repetition."""
+    k = r % len(kinds)
+    return [*kinds[k:], *kinds[:k]]
+
+
 def grpc_chunk() -> int:
     from transfer.grpc_transport import CHUNK
 
@@ -460,11 +468,10 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
         whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-        # Interleaved, in alternating order: every mode and the raw baselines see the same noise,
-        # none always goes first.
+        # Interleaved, in turns (_turn): every mode and the raw baselines see the same noise.
         unary = transport == "grpc" and whole.nbytes <= grpc_chunk()
         kinds = (*modes, "raw", *(("raw_unary",) if unary else ()))
-        order = [(r, m) for r in range(_reps(size, reps) + 1) for m in (kinds if r % 2 else kinds[::-1])]
+        order = [(r, m) for r in range(_reps(size, reps) + 1) for m in _turn(kinds, r)]
         cpu = 0.0
         for r, mode in order:
             if mode in ("raw", "raw_unary"):
