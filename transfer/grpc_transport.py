@@ -17,10 +17,12 @@ made blocking on a small pool of the sender's threads. A client-streaming call s
 call to drain its request iterator, and a non-blocking call (`.future()`) hands its completion to
 the channel's polling thread; a blocking unary call has neither. 1 MiB through the real receiver,
 two processes, 95 pairs each time: 0.80 and 0.84x the time of the stream (faster in 86 and 82 of
-95); in bench/transfer.py's setting, 1.06-1.07x the stream's throughput with token checks against
-the stream's without. The same unary call made with `.future()` from the sender thread took
-1.4-1.55x the stream's time. With every pool thread busy (a slow peer holds one until its
-deadline), a transfer goes as a stream: nobody waits for a thread."""
+95); in bench/transfer.py's setting (both signed, one receiver, in turns), 1.21 and 1.31x the
+stream's throughput. The same unary call made with `.future()` from the sender thread took
+1.4-1.55x the stream's time; larger KV sent as blocking streams on the pool instead of
+`.future()` gained nothing measurable (16 MiB 0.99/1.02, 256 MiB 1.03/0.98). With every pool
+thread busy (a slow peer holds one until its deadline), a transfer goes as a stream: nobody waits
+for a thread."""
 
 from __future__ import annotations
 
