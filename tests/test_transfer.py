@@ -474,10 +474,10 @@ def _kv_transfer_server(one, stream):
 
     import grpc
 
-    from transfer.grpc_transport import _OPTIONS
+    from transfer.grpc_transport import _OPTIONS, SERVICE
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KVTransfer", {
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         "PushOne": grpc.unary_unary_rpc_method_handler(one), "Push": grpc.stream_unary_rpc_method_handler(stream)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -51,8 +51,11 @@ from transfer.wire import (
     verify_frame_size,
 )
 
-METHOD = "/pdserve.v1.KVTransfer/Push"  # client-streaming: a KV of more than one chunk
-METHOD_ONE = "/pdserve.v1.KVTransfer/PushOne"  # unary: a KV of one chunk, in the opening message
+# The service's name carries the wire's generation: a sender and a receiver of different ones
+# (a cluster half upgraded) meet UNIMPLEMENTED, not frames they misread. 2: per-frame digests.
+SERVICE = "pdserve.kv2.KVTransfer"
+METHOD = f"/{SERVICE}/Push"  # client-streaming: a KV of more than one chunk
+METHOD_ONE = f"/{SERVICE}/PushOne"  # unary: a KV of one chunk, in the opening message
 CHUNK = 4 << 20
 _OPTIONS = [("grpc.max_receive_message_length", 2 * CHUNK), ("grpc.max_send_message_length", 2 * CHUNK)]
 _OPENING = struct.Struct("<II")  # the first message's header and tag lengths
@@ -187,7 +190,7 @@ class GrpcReceiver(KVReceiver):
         self.keys, self.sink = keys, sink
         self.ack_timeout_s = ack_timeout_s
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
-        handler = grpc.method_handlers_generic_handler("pdserve.v1.KVTransfer", {
+        handler = grpc.method_handlers_generic_handler(SERVICE, {
             "Push": grpc.stream_unary_rpc_method_handler(self._push),
             "PushOne": grpc.unary_unary_rpc_method_handler(lambda msg, context: self._push(iter((msg,)), context))})
         self.server.add_generic_rpc_handlers((handler,))
