@@ -249,11 +249,13 @@ class RawBaseline:
 def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
     """Blocking calls (the baseline), non-blocking ones and, up to one chunk, blocking unary
     calls, alternating; the first of each warms up."""
+    from transfer.grpc_transport import CHUNK
+
     raw, rows = RawBaseline("grpc", addrs), []
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
         whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-        kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_unary"] if whole.nbytes <= grpc_chunk() else [])]
+        kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_unary"] if whole.nbytes <= CHUNK else [])]
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(_reps(size, reps) + 1):
             for k in _turn(kinds, r):
@@ -376,12 +378,6 @@ def _turn(kinds, r: int) -> list:
     return [*kinds[k:], *kinds[:k]]
 
 
-def grpc_chunk() -> int:
-    from transfer.grpc_transport import CHUNK
-
-    return CHUNK
-
-
 def _cpu_s(child_pid: int) -> float:
     """CPU seconds (user + system, every thread) of this process and the receiver's: on two cores,
     a transfer whose ZeroMQ I/O threads already keep both cores busy pays for every byte touched."""
@@ -403,6 +399,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     from engine import KVExport
     from prefill_worker.kv_export import pack_export
     from transfer import SenderLoop, TransferState, make_sender
+    from transfer.grpc_transport import CHUNK
 
     max_blocks = max(sizes) * (1 << 20) // (4 * 8 * 2 * 16 * 4 * 64)
     # The sender's pool in the memory a prefill worker's is in: a memfd for ZeroMQ (the default
@@ -464,20 +461,20 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     cpu_ms: dict[int, float] = {}  # both processes' CPU per transfer, all modes of a size together
     totals: dict[str, float] = {}
     raw = RawBaseline(transport, addrs)
-    raw_times: dict[tuple[int, int], float] = {}
-    unary_times: dict[tuple[int, int], float] = {}  # gRPC, up to one chunk: a raw unary call
+    # The raw baselines' seconds by (size, repetition): "raw" always, "raw_unary" (a blocking unary
+    # call) for gRPC up to one chunk.
+    base_times: dict[str, dict[tuple[int, int], float]] = {"raw": {}, "raw_unary": {}}
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
         whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
         # Interleaved, in turns (_turn): every mode and the raw baselines see the same noise.
-        unary = transport == "grpc" and whole.nbytes <= grpc_chunk()
+        unary = transport == "grpc" and whole.nbytes <= CHUNK
         kinds = (*modes, "raw", *(("raw_unary",) if unary else ()))
         order = [(r, m) for r in range(_reps(size, reps) + 1) for m in _turn(kinds, r)]
         cpu = 0.0
         for r, mode in order:
-            if mode in ("raw", "raw_unary"):
-                times = unary_times if mode == "raw_unary" else raw_times
-                times[(size, r)] = raw.send(whole, unary=mode == "raw_unary")
+            if mode in base_times:
+                base_times[mode][(size, r)] = raw.send(whole, unary=mode == "raw_unary")
                 continue
             cpu0 = _cpu_s(proc.pid)
             rid = f"{transport}-{variant}-{mode}-{size}-{r}"
@@ -519,15 +516,13 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                      # Streamed (zmq): checksums and landing overlap the wire, so the parts overlap too.
                      "breakdown_s": {"pack": export_times[rid], "check_and_land": land,
                                      "wire_and_ack": t - export_times[rid] - (0.0 if streamed else land)}})
-        # This transport against the raw baseline sent beside it (RawBaseline): the median over
+        # This transport against the raw baselines sent beside it (RawBaseline): the median over
         # repetitions of raw seconds / this mode's seconds, i.e. the throughput ratio.
-        rows[-1]["paired_vs_raw"] = statistics.median(
-            raw_times[(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
-            for r in range(1, _reps(size, reps) + 1))
-        if (size, 1) in unary_times:
-            rows[-1]["paired_vs_raw_unary"] = statistics.median(
-                unary_times[(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
-                for r in range(1, _reps(size, reps) + 1))
+        for base, key in (("raw", "paired_vs_raw"), ("raw_unary", "paired_vs_raw_unary")):
+            if (size, 1) in base_times[base]:
+                rows[-1][key] = statistics.median(
+                    base_times[base][(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
+                    for r in range(1, _reps(size, reps) + 1))
         if mode == "token" and "off" in modes:
             # Each repetition's two transfers ran back to back: the median of their ratios is what
             # the machine's noise (shared, bursty) disturbs least.
@@ -594,7 +589,7 @@ def ttft_split(quick: bool) -> list[dict]:
                 clients[kind].generate(make_request(random_prompt(512, seed=1 + w), max_tokens=2))
         for n in (128, 2048):
             for r in range(3 if quick else 5):
-                for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
+                for kind in _turn(list(kinds), r):
                     time.sleep(0.5)  # the other cluster's decode and release are over
                     request = make_request(random_prompt(n, seed=1000 * n + r), max_tokens=16, ignore_eos=True)
                     samples.setdefault((kind, n), []).append(_second_token(clients[kind], request))
