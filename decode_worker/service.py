@@ -268,6 +268,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
             # 5, gap / ITL median 1.73 against 1.88 (the typical gap 0.5 ms longer, the write
             # now before the step).
             yield wpb.DecodeResponse(tokens=wpb.DecodeTokens(**kv))
+            kv = {}  # sent: the messages below need not repeat them
         final = await self.rt.engine_loop.call(self.rt.engine.commit_import, rid, int(meta["first_token"]),
                                                float(meta["first_logprob"]))
         if final is not None:  # the router takes figures-only messages apart from the stream's last
