@@ -34,10 +34,11 @@ many transfers open at once cannot block on one: `raw_grpc_nonblocking` makes th
 as `.future()` and waits on its done-callback, as the gRPC transport's sender thread does, and
 its `paired_vs_raw_grpc` (against blocking calls alternating with it) is what gRPC's own
 non-blocking path costs before the transport does anything (about 0.2 ms a call here).
-A KV of one 4 MiB chunk or less goes as a blocking unary call on a sender pool thread
-(transfer/grpc_transport.py), so up to that size there is also `raw_grpc_unary`, the same bytes
-as one blocking unary call: the gRPC rows' `vs_raw_grpc_unary` and `paired_vs_raw_unary` compare
-with it, the cheapest call gRPC offers.
+A KV of one 4 MiB chunk or less goes as one message on a lane, a bidirectional call the sender
+keeps open to the receiver (transfer/grpc_lane.py), so up to that size there is also
+`raw_grpc_lane`, the same bytes as one message on an open bidirectional call, answered by one
+message: the gRPC rows' `vs_raw_grpc_lane` and `paired_vs_raw_lane` compare with it, the cheapest
+way gRPC offers to move the bytes, without a call's own cost.
 
 Part 2: TTFT split into queue / prefill / first-token delivery, plus the KV transfer time, for
 128- and 2048-token prompts through a real router + prefill + decode on the 50M model.
@@ -53,6 +54,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import statistics
 import sys
@@ -127,14 +129,14 @@ def tls_credentials(certs_dir: str | None) -> dict:
 
 
 RAW_GRPC_METHOD = "/bench.Raw/Push"
-RAW_GRPC_UNARY_METHOD = "/bench.Raw/One"
+RAW_GRPC_LANE_METHOD = "/bench.Raw/Lane"
 
 
 def _raw_grpc_server():
     """The gRPC baseline: a client-streaming call of raw byte chunks, read and dropped, then a
     one-message reply. Same chunking as the gRPC transport; no header, checks or landing. Also a
-    unary method taking the bytes as one message, the call the transport makes for a KV of one
-    chunk. Returns the started server and its address."""
+    bidirectional method answering each message with one (what a lane does for a KV of one
+    chunk). Returns the started server and its address."""
     from concurrent import futures
 
     import grpc
@@ -145,13 +147,14 @@ def _raw_grpc_server():
         n = sum(len(c) for c in chunks)
         return str(n).encode()
 
-    def one(chunk, context) -> bytes:
-        return str(len(chunk)).encode()
+    def lane(messages, context):
+        for m in messages:
+            yield str(len(m)).encode()
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push),
-                      "One": grpc.unary_unary_rpc_method_handler(one)}),))
+                      "Lane": grpc.stream_stream_rpc_method_handler(lane)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
@@ -197,7 +200,8 @@ class RawBaseline:
 
             self.channel = grpc.insecure_channel(addrs["raw"], options=_OPTIONS)
             self.call = self.channel.stream_unary(RAW_GRPC_METHOD)
-            self.one = self.channel.unary_unary(RAW_GRPC_UNARY_METHOD)
+            self.lane_q: queue.SimpleQueue = queue.SimpleQueue()
+            self.lane = self.channel.stream_stream(RAW_GRPC_LANE_METHOD)(iter(self.lane_q.get, None))
         else:
             self.zctx = zmq.Context()
             self.push, self.pull = self.zctx.socket(zmq.PUSH), self.zctx.socket(zmq.PULL)
@@ -205,20 +209,21 @@ class RawBaseline:
             self.pull.connect(addrs["raw"][1])
 
     def send(self, whole: memoryview, step: int | None = None, nonblocking: bool = False,
-             unary: bool = False) -> float:
+             lane: bool = False) -> float:
         """Seconds for one transfer of `whole`, in the transport's own pieces: gRPC chunks, each
         copied to bytes (gRPC takes only bytes), or one zero-copy ZeroMQ message per `step` bytes
         (default: a frame, transfer.max_frame_bytes), each acknowledged. As one message, 256 MiB
         moved at half the rate: ZeroMQ's receiver takes a message whole. `nonblocking`: the gRPC
-        call as `.future()`, waited for through its done-callback. `unary`: the bytes as one message
-        of a blocking unary call (gRPC only, at most one chunk)."""
+        call as `.future()`, waited for through its done-callback. `lane`: the bytes as one message
+        on the open bidirectional call, and its answer (gRPC only, at most one chunk)."""
         import threading
 
         from transfer.grpc_transport import CHUNK
 
         t0 = time.perf_counter()
-        if self.transport == "grpc" and unary:
-            self.one(bytes(whole), timeout=120)
+        if self.transport == "grpc" and lane:
+            self.lane_q.put(bytes(whole))
+            next(self.lane)
         elif self.transport == "grpc":
             chunks = iter([bytes(whole[i:i + CHUNK]) for i in range(0, whole.nbytes, CHUNK)])
             if nonblocking:
@@ -239,6 +244,7 @@ class RawBaseline:
 
     def close(self) -> None:
         if self.transport == "grpc":
+            self.lane_q.put(None)  # ends grpc's thread that drains the lane's messages
             self.channel.close()
         else:
             self.push.close(0)
@@ -247,19 +253,19 @@ class RawBaseline:
 
 
 def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
-    """Blocking calls (the baseline), non-blocking ones and, up to one chunk, blocking unary
-    calls, alternating; the first of each warms up."""
+    """Blocking calls (the baseline), non-blocking ones and, up to one chunk, messages on an open
+    bidirectional call, in turns; the first of each warms up."""
     from transfer.grpc_transport import CHUNK
 
     raw, rows = RawBaseline("grpc", addrs), []
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
         whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-        kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_unary"] if whole.nbytes <= CHUNK else [])]
+        kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_lane"] if whole.nbytes <= CHUNK else [])]
         times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(_reps(size, reps) + 1):
             for k in _turn(kinds, r):
-                times[k].append(raw.send(whole, nonblocking=k == "raw_grpc_nonblocking", unary=k == "raw_grpc_unary"))
+                times[k].append(raw.send(whole, nonblocking=k == "raw_grpc_nonblocking", lane=k == "raw_grpc_lane"))
         for k in kinds:
             best = min(times[k][1:])
             rows.append({"transport": k, "mib": size, "seconds": best, "gb_per_s": n * block_nbytes / best / 1e9})
@@ -461,20 +467,20 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     cpu_ms: dict[int, float] = {}  # both processes' CPU per transfer, all modes of a size together
     totals: dict[str, float] = {}
     raw = RawBaseline(transport, addrs)
-    # The raw baselines' seconds by (size, repetition): "raw" always, "raw_unary" (a blocking unary
+    # The raw baselines' seconds by (size, repetition): "raw" always, "raw_lane" (a message on an open
     # call) for gRPC up to one chunk.
-    base_times: dict[str, dict[tuple[int, int], float]] = {"raw": {}, "raw_unary": {}}
+    base_times: dict[str, dict[tuple[int, int], float]] = {"raw": {}, "raw_lane": {}}
     for size in sizes:
         n = size * (1 << 20) // block_nbytes
         whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
         # Interleaved, in turns (_turn): every mode and the raw baselines see the same noise.
-        unary = transport == "grpc" and whole.nbytes <= CHUNK
-        kinds = (*modes, "raw", *(("raw_unary",) if unary else ()))
+        lane = transport == "grpc" and whole.nbytes <= CHUNK
+        kinds = (*modes, "raw", *(("raw_lane",) if lane else ()))
         order = [(r, m) for r in range(_reps(size, reps) + 1) for m in _turn(kinds, r)]
         cpu = 0.0
         for r, mode in order:
             if mode in base_times:
-                base_times[mode][(size, r)] = raw.send(whole, unary=mode == "raw_unary")
+                base_times[mode][(size, r)] = raw.send(whole, lane=mode == "raw_lane")
                 continue
             cpu0 = _cpu_s(proc.pid)
             rid = f"{transport}-{variant}-{mode}-{size}-{r}"
@@ -518,7 +524,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                                      "wire_and_ack": t - export_times[rid] - (0.0 if streamed else land)}})
         # This transport against the raw baselines sent beside it (RawBaseline): the median over
         # repetitions of raw seconds / this mode's seconds, i.e. the throughput ratio.
-        for base, key in (("raw", "paired_vs_raw"), ("raw_unary", "paired_vs_raw_unary")):
+        for base, key in (("raw", "paired_vs_raw"), ("raw_lane", "paired_vs_raw_lane")):
             if (size, 1) in base_times[base]:
                 rows[-1][key] = statistics.median(
                     base_times[base][(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
@@ -690,22 +696,22 @@ def main() -> int:
             result["throughput"] += bench_transport(transport, SIZES_MIB, reps, variant)
     raw = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_zmq"}
     raw_grpc = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc"}
-    raw_unary = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc_unary"}
+    raw_lane = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc_lane"}
     result["security"] = security_summary(result["throughput"])
     for r in result["throughput"]:
         r["vs_raw_zmq"] = r["gb_per_s"] / raw[r["mib"]]
-        if r["transport"] in ("grpc", "raw_grpc_nonblocking", "raw_grpc_unary"):  # a raw gRPC stream, same bytes
+        if r["transport"] in ("grpc", "raw_grpc_nonblocking", "raw_grpc_lane"):  # a raw gRPC stream, same bytes
             r["vs_raw_grpc"] = r["gb_per_s"] / raw_grpc[r["mib"]]
-        if r["transport"] == "grpc" and r["mib"] in raw_unary:  # and the call the transport makes for one chunk
-            r["vs_raw_grpc_unary"] = r["gb_per_s"] / raw_unary[r["mib"]]
+        if r["transport"] == "grpc" and r["mib"] in raw_lane:  # and what the transport does for one chunk
+            r["vs_raw_grpc_lane"] = r["gb_per_s"] / raw_lane[r["mib"]]
         print(f"{r['transport']:20s} {r.get('security', ''):11s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
               f"({100 * r['vs_raw_zmq']:5.1f}% of raw zmq"
               + (f", {100 * r['vs_raw_grpc']:5.1f}% of raw grpc)" if "vs_raw_grpc" in r else ")")
               + (f"  paired with its raw baseline: {100 * r['paired_vs_raw']:5.1f}%" if "paired_vs_raw" in r else "")
               + (f"  paired with blocking calls: {100 * r['paired_vs_raw_grpc']:5.1f}%"
                  if "paired_vs_raw_grpc" in r else "")
-              + (f"  paired with raw unary calls: {100 * r['paired_vs_raw_unary']:5.1f}%"
-                 if "paired_vs_raw_unary" in r else "")
+              + (f"  paired with a raw lane: {100 * r['paired_vs_raw_lane']:5.1f}%"
+                 if "paired_vs_raw_lane" in r else "")
               + (f"  CPU {r['cpu_ms_per_transfer']:.1f} ms" if "cpu_ms_per_transfer" in r else "")
               + (f"  pack {r['breakdown_s']['pack'] * 1e3:.1f} ms, wire+ack "
                  f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "

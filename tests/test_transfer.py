@@ -468,7 +468,7 @@ def test_grpc_sends_a_one_chunk_kv_as_one_message_and_a_larger_header_ahead():
         rx.close()
 
 
-def _kv_transfer_server(one, stream):
+def _kv_transfer_server(lane, stream):
     """A plain gRPC server offering the transport's two methods with the given handlers."""
     from concurrent import futures
 
@@ -478,70 +478,183 @@ def _kv_transfer_server(one, stream):
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
-        "PushOne": grpc.unary_unary_rpc_method_handler(one), "Push": grpc.stream_unary_rpc_method_handler(stream)}),))
+        "Lane": grpc.stream_stream_rpc_method_handler(lane), "Push": grpc.stream_unary_rpc_method_handler(stream)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"grpc://127.0.0.1:{port}"
 
 
-def test_grpc_sends_a_one_chunk_kv_as_a_unary_call_and_a_larger_one_as_a_stream():
-    """Which method the sender calls, seen by a plain gRPC server offering both: a one-chunk KV
-    goes to PushOne in one message, a larger one to the Push stream."""
+def _open_lane(tx, address, rx=None, timeout=5.0):
+    """Send one KV (it goes as a stream and opens the lane; acked here when `rx` is given), then
+    wait until the lane is open."""
+    handle = tx.send(address, *make_payload(seed=50), timeout_s=10)
+    end = time.monotonic() + timeout
+    while rx is not None and not handle.done and time.monotonic() < end:
+        for item in rx.poll(0.01):
+            item.ack(True)
+        tx.poll()
+    assert _wait(tx, handle).state is TransferState.DONE
+    lane = tx.lanes[address.removeprefix("grpc://")]
+    end = time.monotonic() + timeout
+    while not lane.ready and time.monotonic() < end:
+        time.sleep(0.01)
+    assert lane.ready
+    return lane
+
+
+def test_grpc_sends_one_chunk_kv_on_the_lane_and_a_larger_one_as_a_stream():
+    """Which method carries what, seen by a plain gRPC server: while the lane opens, a one-chunk
+    KV goes as a stream; once the server has greeted the lane, one-chunk KV go on it, one message
+    each, acknowledged by sequence number; a larger KV still goes as a stream."""
+    import struct
+
     import msgpack
 
     from transfer.grpc_transport import CHUNK, _opening
 
     seen = []
 
-    def one(msg, context):
-        seen.append(("PushOne", len(_opening(msg)[2])))
-        return msgpack.packb({"ok": True})
+    def lane(messages, context):
+        yield b""  # the greeting: the lane is open
+        for seq, msg in enumerate(messages):
+            seen.append(("Lane", len(_opening(msg)[2])))
+            yield struct.pack("<Q", seq) + msgpack.packb({"ok": True})
 
     def stream(chunks, context):
         seen.append(("Push", sum(len(c) for c in chunks)))
         return msgpack.packb({"ok": True})
 
-    server, address = _kv_transfer_server(one, stream)
+    server, address = _kv_transfer_server(lane, stream)
     tx = make_sender("grpc")
     try:
+        _open_lane(tx, address)
         small, small_frames = make_payload()
         big, big_frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
-        for h, fs in ((small, small_frames), (big, big_frames)):
+        for h, fs in ((small, small_frames), (small, small_frames), (big, big_frames)):
             assert _wait(tx, tx.send(address, h, fs, timeout_s=10)).state is TransferState.DONE
-        assert seen[0][0] == "PushOne" and seen[0][1] > small.total_bytes  # every frame, each after its prefix
-        assert seen[1][0] == "Push" and seen[1][1] > big.total_bytes  # the opening, then both frames
+        assert [m for m, _ in seen] == ["Push", "Lane", "Lane", "Push"]
+        assert seen[1][1] > small.total_bytes  # every frame, each after its prefix
+        assert seen[3][1] > big.total_bytes  # the opening, then both frames
     finally:
         tx.close()
         server.stop(0)
 
 
-def test_grpc_one_chunk_kv_goes_as_a_stream_while_every_call_thread_is_held():
-    """A slow peer holds the sender's call threads until their deadlines: the next one-chunk KV
-    does not queue behind them, it goes as a stream (and completes while they still wait)."""
+def test_grpc_lane_lands_the_next_kv_before_the_owner_acks_the_first():
+    """The receiver does not hold a lane's next KV until the owner has acked the one before: both
+    reach the owner, which acks them in the other order, and each sender's handle gets its own."""
+    sink = RecordingSink()
+    rx = make_receiver("grpc", host="127.0.0.1", sink=sink)
+    tx = make_sender("grpc")
+    try:
+        _open_lane(tx, rx.address, rx)
+        a = tx.send(rx.address, *make_payload(seed=1), timeout_s=10)
+        h2, f2 = make_payload(seed=2)
+        h2.request_id = "req-2"
+        b = tx.send(rx.address, h2, f2, timeout_s=10)
+        items, end = [], time.monotonic() + 5
+        while len(items) < 2 and time.monotonic() < end:
+            items += rx.poll(0.05)
+        assert [i.header.request_id for i in items] == ["req-1", "req-2"]  # both, neither acked yet
+        items[1].ack(True)
+        items[0].ack(False, "refused by the owner")
+        assert _wait(tx, b).state is TransferState.DONE
+        assert _wait(tx, a).state is TransferState.FAILED and "refused by the owner" in a.error
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_grpc_receiver_refuses_lanes_beyond_its_limit_and_the_sender_calls_per_kv():
+    """Each open lane holds one of the receiver's threads, so it serves `max_lanes`: a second
+    sender's lane is refused, and its KV still arrive, each on a call of its own."""
+    from transfer.grpc_transport import GrpcReceiver
+
+    rx = GrpcReceiver(host="127.0.0.1", sink=RecordingSink(), max_lanes=1)
+    first, second = make_sender("grpc"), make_sender("grpc")
+    stop = threading.Event()
+
+    def owner() -> None:
+        while not stop.is_set():
+            for item in rx.poll(0.02):
+                item.ack(True)
+
+    t = threading.Thread(target=owner, daemon=True)
+    t.start()
+    try:
+        _open_lane(first, rx.address)
+        for seed in range(4):
+            assert _wait(second, second.send(rx.address, *make_payload(seed=seed), timeout_s=10)).state \
+                is TransferState.DONE
+            time.sleep(0.1)  # the refusal arrives
+        assert rx.lanes.open == 1
+        assert rx.lanes.refused == 1  # refused once, not tried again at every KV
+    finally:
+        stop.set()
+        t.join()
+        first.close()
+        second.close()
+        rx.close()
+
+
+def test_grpc_idle_lane_closes_and_the_next_kv_opens_it_again():
+    """A lane holds a thread at each end, so one left idle closes (the receiver's count drops)."""
+    from transfer.grpc_transport import GrpcReceiver, GrpcSender
+
+    rx = GrpcReceiver(host="127.0.0.1", sink=RecordingSink())
+    tx = GrpcSender(lane_idle_s=0.3)
+    try:
+        _open_lane(tx, rx.address, rx)
+        assert rx.lanes.open == 1
+        end = time.monotonic() + 5
+        while (tx.lanes or rx.lanes.open) and time.monotonic() < end:
+            tx.poll()
+            time.sleep(0.05)
+        assert not tx.lanes and rx.lanes.open == 0
+        _open_lane(tx, rx.address, rx)
+        assert rx.lanes.open == 1
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_grpc_kv_on_a_lane_that_breaks_fails_at_once_and_the_next_opens_a_new_lane():
+    """A lane that ends under a KV fails it now, not at its deadline; the next KV finds no lane,
+    goes as a stream and opens another."""
+    import struct
+
     import msgpack
 
-    from transfer.grpc_transport import CALL_THREADS
+    lanes = []
 
-    release = threading.Event()
-
-    def one(msg, context):
-        release.wait(10)
-        return msgpack.packb({"ok": True})
+    def lane(messages, context):
+        lanes.append(context)
+        yield b""
+        if len(lanes) == 1:  # the first lane: acks its first KV, then ends under the second
+            next(messages)
+            yield struct.pack("<Q", 0) + msgpack.packb({"ok": True})
+            next(messages)
+            return
+        for seq, _ in enumerate(messages):
+            yield struct.pack("<Q", seq) + msgpack.packb({"ok": True})
 
     def stream(chunks, context):
         list(chunks)
         return msgpack.packb({"ok": True})
 
-    server, address = _kv_transfer_server(one, stream)
+    server, address = _kv_transfer_server(lane, stream)
     tx = make_sender("grpc")
     try:
-        held = [tx.send(address, *make_payload(seed=i), timeout_s=10) for i in range(CALL_THREADS)]
-        extra = _wait(tx, tx.send(address, *make_payload(seed=99), timeout_s=10), timeout=5)
-        assert extra.state is TransferState.DONE and not any(h.done for h in held)
-        release.set()
-        assert all(_wait(tx, h).state is TransferState.DONE for h in held)
+        _open_lane(tx, address)
+        assert _wait(tx, tx.send(address, *make_payload(seed=1), timeout_s=10)).state is TransferState.DONE
+        started = time.monotonic()
+        broken = _wait(tx, tx.send(address, *make_payload(seed=2), timeout_s=60), timeout=5)
+        assert broken.state is TransferState.FAILED and "closed the lane" in broken.error
+        assert time.monotonic() - started < 5
+        _open_lane(tx, address)  # a stream, then a second lane
+        assert _wait(tx, tx.send(address, *make_payload(seed=3), timeout_s=10)).state is TransferState.DONE
+        assert len(lanes) == 2
     finally:
-        release.set()
         tx.close()
         server.stop(0)
 
@@ -569,21 +682,23 @@ def test_grpc_frame_not_signed_with_the_reservation_key_is_refused():
     import grpc
     import msgpack
 
-    from transfer.grpc_transport import _FRAME, _OPENING, METHOD_ONE, _chunks
+    from transfer.grpc_transport import _FRAME, _OPENING, METHOD_LANE, _chunks
 
     key = b"k" * 32
     rx = make_receiver("grpc", host="127.0.0.1", keys=lambda h: key)
     try:
         with grpc.insecure_channel(rx.address.removeprefix("grpc://")) as ch:
-            call = ch.unary_unary(METHOD_ONE)
             header, frames = make_payload()
             good = next(_chunks(header, frames, key))
             hlen, tlen = _OPENING.unpack_from(good)
             at = _OPENING.size + hlen + tlen + _FRAME.size  # the first frame's tag
             bad = bytearray(good)
             bad[at] ^= 0xFF
-            ack = msgpack.unpackb(call(bytes(bad), timeout=10))
-            assert not ack["ok"] and "not signed" in ack["err"]
+            replies = ch.stream_stream(METHOD_LANE)(iter([bytes(bad)]), timeout=10)
+            assert next(replies) == b""  # the lane's greeting
+            reply = next(replies)
+            ack = msgpack.unpackb(reply[8:])
+            assert reply[:8] == bytes(8) and not ack["ok"] and "not signed" in ack["err"]
             assert rx.poll(0.1) == []  # refused before it reached the owner
     finally:
         rx.close()
@@ -595,12 +710,18 @@ def test_grpc_opening_that_misstates_its_lengths_is_refused():
     import grpc
     import msgpack
 
-    from transfer.grpc_transport import METHOD, METHOD_ONE
+    from transfer.grpc_transport import METHOD, METHOD_LANE
 
     rx = make_receiver("grpc", host="127.0.0.1")
     try:
         with grpc.insecure_channel(rx.address.removeprefix("grpc://")) as ch:
-            stream, unary = ch.stream_unary(METHOD), ch.unary_unary(METHOD_ONE)
+            stream = ch.stream_unary(METHOD)
+
+            def unary(message: bytes, timeout: float) -> bytes:  # one message on a lane of its own
+                replies = ch.stream_stream(METHOD_LANE)(iter([message]), timeout=timeout)
+                assert next(replies) == b""
+                return next(replies)[8:]
+
             header, frames = make_payload()
             raw = header.encode()
             short = struct.pack("<II", len(raw), 0) + raw + bytes(frames[0])  # frames 1 and 2 missing
@@ -612,7 +733,7 @@ def test_grpc_opening_that_misstates_its_lengths_is_refused():
             for ack in (stream(iter([short]), timeout=10), unary(short, timeout=10)):  # a frame with no prefix
                 ack = msgpack.unpackb(ack)
                 assert not ack["ok"] and ("was due" in ack["err"] or "truncated" in ack["err"])
-            # The unary method's one message must hold every frame: nothing can follow it.
+            # A lane's message must hold every frame: nothing can follow it.
             ack = msgpack.unpackb(unary(struct.pack("<II", len(raw), 0) + raw, timeout=10))
             assert not ack["ok"] and "truncated" in ack["err"]
         assert rx.poll(0.1) == []  # nothing reached the owner

@@ -1,10 +1,10 @@
 """gRPC transport for deployments that open only gRPC ports.
 
-One call per transfer on a generic method; messages are raw bytes (no protobuf around bulk data).
-The first holds the lengths of the msgpack header and of its tag under the reservation's transfer
-key, then both, then, when the KV fits one chunk, all its frames; otherwise chunks of the frames
-follow. The reply is the msgpack acknowledgement. Under mtls the call runs over TLS with the
-cluster's certificates (passed in as plain grpc credentials).
+A call per transfer on a generic method, or a message on a lane (below); messages are raw bytes
+(no protobuf around bulk data). The first holds the lengths of the msgpack header and of its tag
+under the reservation's transfer key, then both, then, when the KV fits one chunk, all its
+frames; otherwise chunks of the frames follow. The reply is the msgpack acknowledgement. Under
+mtls the call runs over TLS with the cluster's certificates (passed in as plain grpc credentials).
 
 Each frame comes after its index, xxh3 digest and tag (wire.frame_tag), hashed as it is cut into
 chunks, as on ZeroMQ. With every digest in the header instead, the sender hashed the whole KV
@@ -12,17 +12,15 @@ before its first byte left (256 MiB: ~9 ms here). The header's tag is checked be
 read, and a frame's before its bytes are.
 
 A KV of one chunk is one message each way: against three (header, tag, chunk), a 1 MiB transfer
-took 7-12% less time (paired, one process pair). That message goes as a unary call (PushOne),
-made blocking on a small pool of the sender's threads. A client-streaming call starts a thread per
-call to drain its request iterator, and a non-blocking call (`.future()`) hands its completion to
-the channel's polling thread; a blocking unary call has neither. 1 MiB through the real receiver,
-two processes, 95 pairs each time: 0.80 and 0.84x the time of the stream (faster in 86 and 82 of
-95); in bench/transfer.py's setting (both signed, one receiver, in turns), 1.21 and 1.31x the
-stream's throughput. The same unary call made with `.future()` from the sender thread took
-1.4-1.55x the stream's time; larger KV sent as blocking streams on the pool instead of
-`.future()` gained nothing measurable (16 MiB 0.99/1.02, 256 MiB 1.03/0.98). With every pool
-thread busy (a slow peer holds one until its deadline), a transfer goes as a stream: nobody waits
-for a thread."""
+took 7-12% less time (paired, one process pair). Between a sender and a receiver that message goes
+on a lane (transfer/grpc_lane.py), one bidirectional call kept open, which saves each KV the cost
+of a call of its own. Until the lane is open, and for larger KV, a transfer is one
+client-streaming call. bench/transfer.py, 1 MiB, against a raw client stream of the same bytes
+sent beside it: 0.91-1.01 (three runs, security off and token) where a call per KV read 0.63-0.81.
+
+Tried before lanes: a blocking unary call per one-chunk KV, on a pool of the sender's threads
+(as `.future()` from the sender thread it took 1.4-1.55x as long), was 1.21-1.31x the stream's
+throughput; larger KV sent as blocking streams gained nothing measurable."""
 
 from __future__ import annotations
 
@@ -32,13 +30,14 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 
 import grpc
 import msgpack
 
 from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState, drain
+from transfer.grpc_lane import LANE_IDLE_S, LANE_RETRY_S, MAX_LANES, LaneServer, SenderLane
 from transfer.wire import (
     KeyLookup,
     KVHeader,
@@ -52,17 +51,18 @@ from transfer.wire import (
 )
 
 # The service's name carries the wire's generation: a sender and a receiver of different ones
-# (a cluster half upgraded) meet UNIMPLEMENTED, not frames they misread. 2: per-frame digests.
-SERVICE = "pdserve.kv2.KVTransfer"
-METHOD = f"/{SERVICE}/Push"  # client-streaming: a KV of more than one chunk
-METHOD_ONE = f"/{SERVICE}/PushOne"  # unary: a KV of one chunk, in the opening message
+# (a cluster half upgraded) meet UNIMPLEMENTED, not frames they misread. 2: per-frame digests;
+# 3: lanes for one-chunk KV (the unary PushOne gone).
+SERVICE = "pdserve.kv3.KVTransfer"
+METHOD = f"/{SERVICE}/Push"  # client-streaming: one KV (of any size)
+METHOD_LANE = f"/{SERVICE}/Lane"  # bidirectional: many one-chunk KV, one message each (grpc_lane)
 CHUNK = 4 << 20
 _OPTIONS = [("grpc.max_receive_message_length", 2 * CHUNK), ("grpc.max_send_message_length", 2 * CHUNK)]
+_SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000)]
 _OPENING = struct.Struct("<II")  # the first message's header and tag lengths
 _FRAME = struct.Struct("<IQB")  # before each frame: its index, xxh3 digest and tag length
 MAX_TAG_BYTES = 64
 MAX_HEADER_BYTES = 1 << 20  # a longer header is refused before it is decoded
-CALL_THREADS = 4  # one-chunk transfers on blocking unary calls at once; more go as streams
 
 
 def _chunks(header: KVHeader, frames: Sequence[memoryview], key: bytes | None) -> Iterator[bytes]:
@@ -110,38 +110,49 @@ def _opening(first: bytes) -> tuple[bytes, bytes, memoryview]:
 
 class GrpcSender(KVSender):
     def __init__(self, channel_credentials: grpc.ChannelCredentials | None = None,
-                 channel_options: list | None = None) -> None:
+                 channel_options: list | None = None, lane_idle_s: float = LANE_IDLE_S) -> None:
         super().__init__()
+        self.lane_idle_s = lane_idle_s
         self.channels: dict[str, grpc.Channel] = {}
+        self.lanes: dict[str, SenderLane] = {}
+        self._no_lane_until: dict[str, float] = {}  # dest -> when to try a lane again
         self.open: list[tuple[TransferHandle, grpc.Future | futures.Future]] = []
         self.credentials, self.options = channel_credentials, [*_OPTIONS, *(channel_options or [])]
-        # Created by the sender thread on first use, so its threads inherit that thread's priority.
-        self._pool: futures.ThreadPoolExecutor | None = None
-        self._calls: list[futures.Future] = []  # the pool's calls (sender thread only)
         self._ids = itertools.count()
 
-    def _call(self, dest: str, unary: bool = False):
-        dest = dest.removeprefix("grpc://")
+    def _channel(self, dest: str) -> grpc.Channel:
         if dest not in self.channels:
             self.channels[dest] = grpc.secure_channel(dest, self.credentials, options=self.options) \
                 if self.credentials else grpc.insecure_channel(dest, options=self.options)
-        channel = self.channels[dest]
-        return channel.unary_unary(METHOD_ONE) if unary else channel.stream_unary(METHOD)
+        return self.channels[dest]
+
+    def _lane(self, dest: str) -> SenderLane | None:
+        """The lane to `dest`, opening one when there is none (it is not open yet then)."""
+        lane = self.lanes.get(dest)
+        if lane is not None and lane.dead:
+            del self.lanes[dest]
+            if not lane.ready:  # refused, or the receiver unreachable: calls per KV for a while
+                self._no_lane_until[dest] = time.monotonic() + LANE_RETRY_S
+            lane = None
+        if lane is None and time.monotonic() >= self._no_lane_until.get(dest, 0.0):
+            lane = self.lanes[dest] = SenderLane(self._channel(dest).stream_stream(METHOD_LANE), dest)
+        return lane
 
     def send(self, dest: str, header: KVHeader, frames: Sequence[memoryview], timeout_s: float,
              key: bytes | None = None, peer_key: str = "") -> TransferHandle:
         handle = TransferHandle(header.request_id, dest, header.total_bytes, time.monotonic() + timeout_s)
         # Frame tags name the transfer: a frame of one part of a KV cannot pass for another's.
         header.transfer_id = handle.transfer_id = f"{header.request_id}#{next(self._ids)}"
+        dest = dest.removeprefix("grpc://")
         messages = _chunks(header, frames, key)
-        self._calls = [f for f in self._calls if not f.done()]
-        if header.total_bytes <= CHUNK and len(self._calls) < CALL_THREADS:
-            if self._pool is None:
-                self._pool = futures.ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="kv-grpc-call")
-            fut = self._pool.submit(self._call(dest, unary=True), next(messages), timeout=timeout_s)
-            self._calls.append(fut)
-        else:
-            fut = self._call(dest).future(messages, timeout=timeout_s)
+        fut = None
+        if header.total_bytes <= CHUNK:
+            lane = self._lane(dest)
+            first = next(messages)  # the only one
+            fut = lane.send(first) if lane is not None else None
+            messages = iter((first,))
+        if fut is None:
+            fut = self._channel(dest).stream_unary(METHOD).future(messages, timeout=timeout_s)
         fut.add_done_callback(lambda _: self.wake())  # the reply (or error) ends a sender thread's wait
         handle.advance(TransferState.SENT)
         self.open.append((handle, fut))
@@ -154,18 +165,28 @@ class GrpcSender(KVSender):
                 still.append((handle, fut))
                 continue
             try:
-                ack = msgpack.unpackb(fut.result())
-                ok = bool(ack.get("ok"))
-                handle.advance(TransferState.DONE if ok else TransferState.FAILED, ack.get("err", ""))
+                reply = fut.result()
             except grpc.RpcError as e:
                 handle.advance(TransferState.FAILED, f"gRPC transfer to {handle.dest}: {e.code().name} {e.details()}")
+                continue
+            except Exception as e:  # the lane it went on closed or broke
+                handle.advance(TransferState.FAILED, f"gRPC transfer to {handle.dest}: {e}")
+                continue
+            try:
+                ack = msgpack.unpackb(reply)
+                ok = bool(ack.get("ok"))
+                handle.advance(TransferState.DONE if ok else TransferState.FAILED, ack.get("err", ""))
             except Exception as e:
                 handle.advance(TransferState.FAILED, f"bad acknowledgement from {handle.dest}: {e}")
         self.open = still
+        for dest, lane in list(self.lanes.items()):
+            if lane.ready and lane.idle(self.lane_idle_s):
+                lane.close()
+                del self.lanes[dest]
 
     def abandon(self, handle: TransferHandle) -> None:
-        """A stream is cancelled; a blocking unary call cannot be, and ends on its reply or at its
-        deadline (the receiver refuses a KV whose reservation has gone)."""
+        """A stream is cancelled; a KV on a lane has left already, and the receiver refuses it
+        once its reservation has gone."""
         super().abandon(handle)
         for h, fut in self.open:
             if h is handle:
@@ -173,26 +194,33 @@ class GrpcSender(KVSender):
         self.open = [(h, f) for h, f in self.open if h is not handle]
 
     def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes.clear()
         for ch in self.channels.values():
-            ch.close()  # cancels every call on it, the pool's blocking ones included
+            ch.close()  # cancels every call on it
         self.channels.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
 
 
 class GrpcReceiver(KVReceiver):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  ack_timeout_s: float = 60.0, keys: KeyLookup | None = None,
-                 server_credentials: grpc.ServerCredentials | None = None, sink: KVSink | None = None) -> None:
+                 server_credentials: grpc.ServerCredentials | None = None, sink: KVSink | None = None,
+                 max_lanes: int = MAX_LANES) -> None:
         """With a `sink`, each frame is checked and handed over as it arrives, from the chunk
         gRPC already holds (no reassembly copy when a frame fits one chunk)."""
         self._queue: queue.Queue[ReceivedKV] = queue.Queue()
         self.keys, self.sink = keys, sink
         self.ack_timeout_s = ack_timeout_s
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
+        self.lanes = LaneServer(self._receive, max_lanes)
+        # Each open lane holds a thread: the calls per transfer keep 8 of their own.
+        # Pings on idle connections: a sender gone without a word (host down, cable out) releases
+        # its lane's threads within ~80 s, not at the kernel's TCP timeout (hours).
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + max_lanes),
+                                  options=[*_OPTIONS, *_SERVER_KEEPALIVE])
         handler = grpc.method_handlers_generic_handler(SERVICE, {
             "Push": grpc.stream_unary_rpc_method_handler(self._push),
-            "PushOne": grpc.unary_unary_rpc_method_handler(lambda msg, context: self._push(iter((msg,)), context))})
+            "Lane": grpc.stream_stream_rpc_method_handler(self.lanes.serve)})
         self.server.add_generic_rpc_handlers((handler,))
         self.port = self.server.add_secure_port(f"{host}:{port}", server_credentials) if server_credentials \
             else self.server.add_insecure_port(f"{host}:{port}")
@@ -200,17 +228,33 @@ class GrpcReceiver(KVReceiver):
         self.server.start()
 
     def _push(self, request_iterator, context) -> bytes:
+        """One transfer on a call of its own: the reply waits for the owner's ack."""
+        done = threading.Event()
+        replies: list[bytes] = []
+
+        def reply(ack: bytes) -> None:
+            replies.append(ack)
+            done.set()
+
+        self._receive(request_iterator, reply)
+        if not done.wait(self.ack_timeout_s):
+            return msgpack.packb({"ok": False, "err": "receiver did not process the transfer in time"})
+        return replies[0]
+
+    def _receive(self, messages: Iterator[bytes], reply: Callable[[bytes], None]) -> None:
+        """Read one transfer from `messages` and hand it to the owner, whose ack goes to `reply`
+        (msgpack); a transfer refused before it reaches the owner is answered at once."""
         rid = ""
         try:
-            raw, tag, rest = _opening(next(request_iterator))
+            raw, tag, rest = _opening(next(messages))
             header = KVHeader.decode(raw)
             rid = header.request_id
             key = authorize(self.keys, header, raw, tag)  # before any frame byte is read
-            reader = _Reader(itertools.chain((rest,), request_iterator))
+            reader = _Reader(itertools.chain((rest,), messages))
         except StopIteration:
-            return msgpack.packb({"rid": rid, "ok": False, "err": f"{rid}: stream ended early (truncated)"})
+            return reply(msgpack.packb({"rid": rid, "ok": False, "err": f"{rid}: stream ended early (truncated)"}))
         except (TransferError, ValueError) as e:
-            return msgpack.packb({"rid": rid, "ok": False, "err": str(e)})
+            return reply(msgpack.packb({"rid": rid, "ok": False, "err": str(e)}))
         frames: list[memoryview] = []
         error = ""
         try:
@@ -233,19 +277,12 @@ class GrpcReceiver(KVReceiver):
         except (TransferError, ValueError) as e:
             error = str(e)
         if error and self.sink is None:
-            return msgpack.packb({"rid": rid, "ok": False, "err": error})
-        done = threading.Event()
-        result: dict = {}
-
-        def ack(ok: bool, err: str) -> None:
-            result.update(ok=ok, err=err)
-            done.set()
-
+            return reply(msgpack.packb({"rid": rid, "ok": False, "err": error}))
         # Landed already (with a sink), or whole for the owner to check: the owner acks either way.
+        def ack(ok: bool, err: str) -> None:
+            reply(msgpack.packb({"rid": rid, "ok": ok, "err": err}))
+
         self._queue.put(ReceivedKV(header, frames, ack, landed=self.sink is not None, error=error))
-        if not done.wait(self.ack_timeout_s):
-            return msgpack.packb({"rid": rid, "ok": False, "err": "receiver did not process the transfer in time"})
-        return msgpack.packb({"rid": rid, **result})
 
     def poll(self, timeout_s: float = 0.0) -> list[ReceivedKV]:
         return drain(self._queue, timeout_s)
