@@ -739,3 +739,38 @@ def test_grpc_opening_that_misstates_its_lengths_is_refused():
         assert rx.poll(0.1) == []  # nothing reached the owner
     finally:
         rx.close()
+
+
+def test_grpc_reads_a_larger_kvs_chunks_ahead_within_its_depth_and_ends_with_the_call():
+    """The receiver's read-ahead: while one chunk is checked and landed, the next `depth` are
+    already asked of gRPC, no more; an error reaches the reader; the thread ends every way."""
+    from transfer.grpc_transport import _read_ahead
+
+    pulled = []
+
+    def source(n, fail=False):
+        for i in range(n):
+            pulled.append(i)
+            yield b"%d" % i
+        if fail:
+            raise RuntimeError("call cancelled")
+
+    def until(cond):
+        end = time.monotonic() + 5
+        while not cond() and time.monotonic() < end:
+            time.sleep(0.01)
+
+    it = _read_ahead(source(10), depth=2)
+    assert next(it) == b"0"
+    until(lambda: len(pulled) >= 3)  # the read-ahead thread takes what it has room for
+    time.sleep(0.1)
+    assert pulled == [0, 1, 2]  # the one handed over and two ahead, no more
+    assert list(it) == [b"%d" % i for i in range(1, 10)]
+    with pytest.raises(RuntimeError, match="cancelled"):
+        list(_read_ahead(source(3, fail=True)))
+    early = _read_ahead(source(10))
+    next(early)
+    until(lambda: len(pulled) >= 13 + 3)  # its thread has filled the room and waits for more
+    early.close()  # the reader gave up (a refused frame): the thread must not wait on
+    until(lambda: not [t for t in threading.enumerate() if t.name == "kv-grpc-read-ahead"])
+    assert not [t for t in threading.enumerate() if t.name == "kv-grpc-read-ahead"]
