@@ -314,9 +314,10 @@ def _read_ahead(messages: Iterator[bytes], depth: int = 2) -> Iterator[bytes]:
     """`messages`, read up to `depth` ahead on a thread of its own: grpcio asks the wire for the
     next message only when its iterator is called, so while the handler checked and landed a
     chunk, the sender stalled on flow control. Two receivers in one process, with and without,
-    taking turns (bench/transfer.py's pairing, three runs): 16 MiB 1.12, 1.09 and 1.02x the
-    throughput; 256 MiB 1.02, 0.99, 1.00 (both cores busy already). The thread ends with the call:
-    on its last message, its error, or once the reader is gone."""
+    taking turns (bench/transfer.py's pairing), eight runs: 16 MiB 1.00-1.12x the throughput
+    (median 1.07, none below 1); 256 MiB 0.95-1.02x (median 0.98: both cores are busy there
+    already, and 1 MiB, where nothing differs, swung 0.93-1.09 in the same runs). The thread ends
+    with the call: on its last message, its error, or once the reader is gone."""
     got: queue.SimpleQueue = queue.SimpleQueue()
     room = threading.Semaphore(depth)
     stop = threading.Event()
