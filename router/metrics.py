@@ -19,7 +19,7 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 WORKER_GAUGES = {"used_blocks": "KV blocks referenced (by live requests)",
                  "orphan_blocks": "KV block references held by no live request (a leak if not 0)",
                  "partial_transfers": "Incoming KV transfers still waiting for frames",
-                 "peer_sockets": "Open sockets to peers (KV senders)",
+                 "peer_sockets": "Open connections to peers (KV senders: ZeroMQ sockets, gRPC lanes)",
                  "open_fds": "Open file descriptors of the worker process",
                  "rss_bytes": "Resident memory of the worker process",
                  # Not a leak gauge: 0 means every decode worker gets this prefill worker's KV by socket.

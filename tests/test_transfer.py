@@ -605,12 +605,12 @@ def test_grpc_idle_lane_closes_and_the_next_kv_opens_it_again():
     tx = GrpcSender(lane_idle_s=0.3)
     try:
         _open_lane(tx, rx.address, rx)
-        assert rx.lanes.open == 1
+        assert rx.lanes.open == 1 and tx.num_sockets == 1  # what the worker's peer_sockets gauge shows
         end = time.monotonic() + 5
         while (tx.lanes or rx.lanes.open) and time.monotonic() < end:
             tx.poll()
             time.sleep(0.05)
-        assert not tx.lanes and rx.lanes.open == 0
+        assert not tx.lanes and rx.lanes.open == 0 and tx.num_sockets == 0
         _open_lane(tx, rx.address, rx)
         assert rx.lanes.open == 1
     finally:

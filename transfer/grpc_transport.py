@@ -184,6 +184,12 @@ class GrpcSender(KVSender):
                 lane.close()
                 del self.lanes[dest]
 
+    @property
+    def num_sockets(self) -> int:
+        """Lanes open to receivers: the long-lived connections of this sender, as ZeroMQ's
+        peer sockets are (the workers' `peer_sockets` gauge); idle ones close."""
+        return sum(not lane.dead for lane in self.lanes.values())
+
     def abandon(self, handle: TransferHandle) -> None:
         """A stream is cancelled; a KV on a lane has left already, and the receiver refuses it
         once its reservation has gone."""
