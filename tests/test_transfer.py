@@ -565,6 +565,34 @@ def test_grpc_lane_lands_the_next_kv_before_the_owner_acks_the_first():
         rx.close()
 
 
+def test_grpc_lane_fails_a_kv_its_receiver_chokes_on_and_carries_the_next():
+    """An unexpected error while one KV is read fails that KV at once; the lane goes on."""
+    class Choking(RecordingSink):
+        def open(self, header) -> None:
+            if header.request_id == "req-choke":
+                raise RuntimeError("sink bug")
+            super().open(header)
+
+    rx = make_receiver("grpc", host="127.0.0.1", sink=Choking())
+    tx = make_sender("grpc")
+    try:
+        lane = _open_lane(tx, rx.address, rx)
+        bad, frames = make_payload(seed=1)
+        bad.request_id = "req-choke"
+        choked = _wait(tx, tx.send(rx.address, bad, frames, timeout_s=60), timeout=5)
+        assert choked.state is TransferState.FAILED and "sink bug" in choked.error
+        after = tx.send(rx.address, *make_payload(seed=2), timeout_s=10)
+        end = time.monotonic() + 5
+        while not after.done and time.monotonic() < end:
+            for item in rx.poll(0.01):
+                item.ack(True)
+            tx.poll()
+        assert after.state is TransferState.DONE and not lane.dead
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_grpc_receiver_refuses_lanes_beyond_its_limit_and_the_sender_calls_per_kv():
     """Each open lane holds one of the receiver's threads, so it serves `max_lanes`: a second
     sender's lane is refused, and its KV still arrive, each on a call of its own."""

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 
 import grpc
+import msgpack
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")  # before each ack on a lane: the sequence number of its message
@@ -141,9 +142,16 @@ class LaneServer:
             n = 0
             try:
                 for message in request_iterator:
-                    seq = n
-                    n += 1
-                    self.receive(iter((message,)), lambda ack, seq=seq: replies.put(_SEQ.pack(seq) + ack))
+                    seq, n = n, n + 1
+
+                    def reply(ack: bytes, seq: int = seq) -> None:
+                        replies.put(_SEQ.pack(seq) + ack)
+
+                    try:
+                        self.receive(iter((message,)), reply)
+                    except Exception as e:  # this KV fails; the lane and the KV behind it go on
+                        log.exception("KV lane: a transfer failed on the receiver")
+                        reply(msgpack.packb({"ok": False, "err": f"receiver error: {e}"}))
             except Exception as e:  # the call was cancelled or broke: the callback ends the lane
                 log.debug("KV lane read ended: %s", e)
             replies.put(n)  # how many acks the lane owes before it may end
