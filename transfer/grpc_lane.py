@@ -3,8 +3,9 @@ one chunk between them as one message each way.
 
 Each call has a fixed cost that a lane pays once: the HTTP/2 stream and its headers, and in
 grpcio a thread started per client-streaming call to drain its requests. 1 MiB raw, two
-processes, 300 turns (three runs): a message on an open bidirectional call took 1/1.38-1/1.42 of
-the time of a new client-streaming call; a new unary call took about the same as the stream.
+processes, 300 turns each in three runs: a message and its answer on an open bidirectional call
+took 0.70-0.72x the time of a new client-streaming call (paired medians); a new unary call took
+about the same as the stream.
 
 The receiver reads a lane's messages on a thread of its own and hands each to its owner as it
 arrives, without waiting for the previous one's acknowledgement: the owner may hold an ack for an
