@@ -625,6 +625,41 @@ def test_grpc_receiver_refuses_lanes_beyond_its_limit_and_the_sender_calls_per_k
         rx.close()
 
 
+def test_grpc_lane_forgets_a_kv_the_sender_gave_up_on():
+    """A KV whose ack never comes, abandoned or failed at its deadline, no longer holds the lane
+    busy: the lane can go idle and close."""
+    import struct
+
+    import msgpack
+
+    def lane(messages, context):
+        yield b""
+        for seq, _ in enumerate(messages):
+            if seq < 2:  # the first two are never answered
+                continue
+            yield struct.pack("<Q", seq) + msgpack.packb({"ok": True})
+
+    def stream(chunks, context):
+        list(chunks)
+        return msgpack.packb({"ok": True})
+
+    server, address = _kv_transfer_server(lane, stream)
+    tx = make_sender("grpc")
+    try:
+        lane_ = _open_lane(tx, address)
+        abandoned = tx.send(address, *make_payload(seed=1), timeout_s=60)
+        expired = tx.send(address, *make_payload(seed=2), timeout_s=60)
+        time.sleep(0.2)
+        tx.abandon(abandoned)
+        expired.advance(TransferState.FAILED, "no acknowledgement before the timeout")  # as SenderLoop does
+        tx.poll()
+        assert lane_.idle(0.0)  # nothing waiting on it any more
+        assert _wait(tx, tx.send(address, *make_payload(seed=3), timeout_s=10)).state is TransferState.DONE
+    finally:
+        tx.close()
+        server.stop(0)
+
+
 def test_grpc_idle_lane_closes_and_the_next_kv_opens_it_again():
     """A lane holds a thread at each end, so one left idle closes (the receiver's count drops)."""
     from transfer.grpc_transport import GrpcReceiver, GrpcSender

@@ -100,6 +100,11 @@ class SenderLane:
         for fut in waiting:
             fut.set_exception(error)
 
+    def forget(self, fut: futures.Future) -> None:
+        """The sender gave up on this KV (abandoned, or past its deadline)."""
+        with self._lock:
+            self._waiting = {seq: f for seq, f in self._waiting.items() if f is not fut}
+
     def idle(self, idle_s: float) -> bool:
         """Nothing sent for `idle_s` and nothing waiting for an answer."""
         with self._lock:

@@ -161,6 +161,9 @@ class GrpcSender(KVSender):
     def poll(self) -> None:
         still = []
         for handle, fut in self.open:
+            if handle.done and not fut.done():  # failed meanwhile (its deadline): stop waiting
+                self._drop(fut)
+                continue
             if not fut.done():
                 still.append((handle, fut))
                 continue
@@ -196,8 +199,15 @@ class GrpcSender(KVSender):
         super().abandon(handle)
         for h, fut in self.open:
             if h is handle:
-                fut.cancel()
+                self._drop(fut)
         self.open = [(h, f) for h, f in self.open if h is not handle]
+
+    def _drop(self, fut: grpc.Future | futures.Future) -> None:
+        """Stop waiting for a transfer's reply: a stream is cancelled; a lane forgets the KV's
+        sequence number (its late ack is ignored, and the lane can go idle)."""
+        fut.cancel()
+        for lane in self.lanes.values():
+            lane.forget(fut)
 
     def close(self) -> None:
         for lane in self.lanes.values():
