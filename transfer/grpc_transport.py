@@ -16,7 +16,7 @@ took 7-12% less time (paired, one process pair). Between a sender and a receiver
 on a lane (transfer/grpc_lane.py), one bidirectional call kept open, which saves each KV the cost
 of a call of its own. Until the lane is open, and for larger KV, a transfer is one
 client-streaming call. bench/transfer.py, 1 MiB, against a raw client stream of the same bytes
-sent beside it: 0.91-1.01 (seven runs, security off and token) where a call per KV read 0.63-0.81.
+sent beside it: 0.89-1.04 (thirteen runs, security off and token) where a call per KV read 0.63-0.81.
 
 Tried before lanes: a blocking unary call per one-chunk KV, on a pool of the sender's threads
 (as `.future()` from the sender thread it took 1.4-1.55x as long), was 1.21-1.31x the stream's
