@@ -142,7 +142,8 @@ class LaneServer:
 
     def _lane(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         replies: queue.SimpleQueue = queue.SimpleQueue()
-        context.add_callback(lambda: replies.put(_CANCELLED))  # the call ended: stop waiting for acks
+        if not context.add_callback(lambda: replies.put(_CANCELLED)):  # the call ended: stop waiting
+            return  # it ended already: nobody would wake this thread
 
         def read() -> None:
             n = 0
