@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 
@@ -484,6 +485,21 @@ def _kv_transfer_server(lane, stream):
     return server, f"grpc://127.0.0.1:{port}"
 
 
+def _lane_ack(seq: int) -> bytes:
+    """A plain lane handler's "ok" for the message numbered `seq`, as the receiver frames it."""
+    import msgpack
+
+    return struct.pack("<Q", seq) + msgpack.packb({"ok": True})
+
+
+def _drain_ok(chunks, context) -> bytes:
+    """A plain Push handler: read the stream, answer "ok"."""
+    import msgpack
+
+    list(chunks)
+    return msgpack.packb({"ok": True})
+
+
 def _open_lane(tx, address, rx=None, timeout=5.0):
     """Send one KV (it goes as a stream and opens the lane; acked here when `rx` is given), then
     wait until the lane is open."""
@@ -506,8 +522,6 @@ def test_grpc_sends_one_chunk_kv_on_the_lane_and_a_larger_one_as_a_stream():
     """Which method carries what, seen by a plain gRPC server: while the lane opens, a one-chunk
     KV goes as a stream; once the server has greeted the lane, one-chunk KV go on it, one message
     each, acknowledged by sequence number; a larger KV still goes as a stream."""
-    import struct
-
     import msgpack
 
     from transfer.grpc_transport import CHUNK, _opening
@@ -518,7 +532,7 @@ def test_grpc_sends_one_chunk_kv_on_the_lane_and_a_larger_one_as_a_stream():
         yield b""  # the greeting: the lane is open
         for seq, msg in enumerate(messages):
             seen.append(("Lane", len(_opening(msg)[2])))
-            yield struct.pack("<Q", seq) + msgpack.packb({"ok": True})
+            yield _lane_ack(seq)
 
     def stream(chunks, context):
         seen.append(("Push", sum(len(c) for c in chunks)))
@@ -628,22 +642,15 @@ def test_grpc_receiver_refuses_lanes_beyond_its_limit_and_the_sender_calls_per_k
 def test_grpc_lane_forgets_a_kv_the_sender_gave_up_on():
     """A KV whose ack never comes, abandoned or failed at its deadline, no longer holds the lane
     busy: the lane can go idle and close."""
-    import struct
-
-    import msgpack
 
     def lane(messages, context):
         yield b""
         for seq, _ in enumerate(messages):
             if seq < 2:  # the first two are never answered
                 continue
-            yield struct.pack("<Q", seq) + msgpack.packb({"ok": True})
+            yield _lane_ack(seq)
 
-    def stream(chunks, context):
-        list(chunks)
-        return msgpack.packb({"ok": True})
-
-    server, address = _kv_transfer_server(lane, stream)
+    server, address = _kv_transfer_server(lane, _drain_ok)
     tx = make_sender("grpc")
     try:
         lane_ = _open_lane(tx, address)
@@ -684,10 +691,6 @@ def test_grpc_idle_lane_closes_and_the_next_kv_opens_it_again():
 def test_grpc_kv_on_a_lane_that_breaks_fails_at_once_and_the_next_opens_a_new_lane():
     """A lane that ends under a KV fails it now, not at its deadline; the next KV finds no lane,
     goes as a stream and opens another."""
-    import struct
-
-    import msgpack
-
     lanes = []
 
     def lane(messages, context):
@@ -695,17 +698,13 @@ def test_grpc_kv_on_a_lane_that_breaks_fails_at_once_and_the_next_opens_a_new_la
         yield b""
         if len(lanes) == 1:  # the first lane: acks its first KV, then ends under the second
             next(messages)
-            yield struct.pack("<Q", 0) + msgpack.packb({"ok": True})
+            yield _lane_ack(0)
             next(messages)
             return
         for seq, _ in enumerate(messages):
-            yield struct.pack("<Q", seq) + msgpack.packb({"ok": True})
+            yield _lane_ack(seq)
 
-    def stream(chunks, context):
-        list(chunks)
-        return msgpack.packb({"ok": True})
-
-    server, address = _kv_transfer_server(lane, stream)
+    server, address = _kv_transfer_server(lane, _drain_ok)
     tx = make_sender("grpc")
     try:
         _open_lane(tx, address)
@@ -768,8 +767,6 @@ def test_grpc_frame_not_signed_with_the_reservation_key_is_refused():
 
 
 def test_grpc_opening_that_misstates_its_lengths_is_refused():
-    import struct
-
     import grpc
     import msgpack
 
