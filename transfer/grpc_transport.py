@@ -254,7 +254,7 @@ class GrpcReceiver(KVReceiver):
 
         self._receive(request_iterator, reply)
         if not done.wait(self.ack_timeout_s):
-            return msgpack.packb({"ok": False, "err": "receiver did not process the transfer in time"})
+            return _ack("", False, "receiver did not process the transfer in time")
         return replies[0]
 
     def _receive(self, messages: Iterator[bytes], reply: Callable[[bytes], None]) -> None:
@@ -270,9 +270,9 @@ class GrpcReceiver(KVReceiver):
             more = _read_ahead(messages) if header.total_bytes > CHUNK else messages
             reader = _Reader(itertools.chain((rest,), more))
         except StopIteration:
-            return reply(msgpack.packb({"rid": rid, "ok": False, "err": f"{rid}: stream ended early (truncated)"}))
+            return reply(_ack(rid, False, f"{rid}: stream ended early (truncated)"))
         except (TransferError, ValueError) as e:
-            return reply(msgpack.packb({"rid": rid, "ok": False, "err": str(e)}))
+            return reply(_ack(rid, False, str(e)))
         frames: list[memoryview] = []
         error = ""
         try:
@@ -295,10 +295,10 @@ class GrpcReceiver(KVReceiver):
         except (TransferError, ValueError) as e:
             error = str(e)
         if error and self.sink is None:
-            return reply(msgpack.packb({"rid": rid, "ok": False, "err": error}))
+            return reply(_ack(rid, False, error))
         # Landed already (with a sink), or whole for the owner to check: the owner acks either way.
         def ack(ok: bool, err: str) -> None:
-            reply(msgpack.packb({"rid": rid, "ok": ok, "err": err}))
+            reply(_ack(rid, ok, err))
 
         self._queue.put(ReceivedKV(header, frames, ack, landed=self.sink is not None, error=error))
 
@@ -307,6 +307,11 @@ class GrpcReceiver(KVReceiver):
 
     def close(self) -> None:
         self.server.stop(grace=0)
+
+
+def _ack(rid: str, ok: bool, err: str) -> bytes:
+    """The reply to a transfer (msgpack), as the sender's poll() reads it."""
+    return msgpack.packb({"rid": rid, "ok": ok, "err": err})
 
 
 def _read_prefix(reader: _Reader, header: KVHeader, index: int, key: bytes | None) -> int:
