@@ -688,6 +688,39 @@ def test_grpc_idle_lane_closes_and_the_next_kv_opens_it_again():
         rx.close()
 
 
+def test_grpc_receiver_lets_go_of_the_lane_of_a_sender_that_stops_answering():
+    """A sender frozen with its lane open (SIGSTOP: the socket stays up and nothing answers, as
+    when its host hangs or drops off the network, and no FIN comes) loses the lane at the
+    receiver's keepalive, which gives the lane's server thread back; the kernel's TCP timeout
+    would take hours."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from transfer.grpc_transport import METHOD_LANE, GrpcReceiver
+
+    rx = GrpcReceiver(host="127.0.0.1", sink=RecordingSink(), keepalive_s=0.5, keepalive_timeout_s=1.0)
+    # The sender: a raw lane from a process of its own, greeted, then idle.
+    script = (f"import queue, time, grpc\n"
+              f"q = queue.SimpleQueue()\n"
+              f"lane = grpc.insecure_channel('127.0.0.1:{rx.port}').stream_stream({METHOD_LANE!r})(iter(q.get, None))\n"
+              f"next(lane)\nprint('greeted', flush=True)\ntime.sleep(120)\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "greeted"
+        assert rx.lanes.open == 1
+        os.kill(child.pid, signal.SIGSTOP)
+        end = time.monotonic() + 15
+        while rx.lanes.open and time.monotonic() < end:
+            time.sleep(0.05)
+        assert rx.lanes.open == 0
+    finally:
+        child.kill()  # a stopped process dies of SIGKILL too
+        child.wait(10)
+        rx.close()
+
+
 def test_grpc_kv_on_a_lane_that_breaks_fails_at_once_and_the_next_opens_a_new_lane():
     """A lane that ends under a KV fails it now, not at its deadline; the next KV finds no lane,
     goes as a stream and opens another."""

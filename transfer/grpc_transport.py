@@ -58,11 +58,22 @@ METHOD = f"/{SERVICE}/Push"  # client-streaming: one KV (of any size)
 METHOD_LANE = f"/{SERVICE}/Lane"  # bidirectional: many one-chunk KV, one message each (grpc_lane)
 CHUNK = 4 << 20
 _OPTIONS = [("grpc.max_receive_message_length", 2 * CHUNK), ("grpc.max_send_message_length", 2 * CHUNK)]
-_SERVER_KEEPALIVE = [("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_timeout_ms", 20_000)]
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 60.0, 20.0  # the receiver pings a connection silent this long
 _OPENING = struct.Struct("<II")  # the first message's header and tag lengths
 _FRAME = struct.Struct("<IQB")  # before each frame: its index, xxh3 digest and tag length
 MAX_TAG_BYTES = 64
 MAX_HEADER_BYTES = 1 << 20  # a longer header is refused before it is decoded
+
+
+def _server_keepalive(every_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """A ping after `every_s` without traffic on a connection with a call open, and the connection
+    closed when `timeout_s` passes unanswered. grpcio (1.85) times the ping by
+    `grpc.http2.ping_timeout_ms`, whose default is a minute, and not by `keepalive_timeout_ms`
+    (grpc/grpc#39239): with only the latter set, a frozen sender held its lane 61 s past a 1 s
+    ping. Both are set, for versions that honour either."""
+    every, timeout = round(every_s * 1000), round(timeout_s * 1000)
+    return [("grpc.keepalive_time_ms", every), ("grpc.keepalive_timeout_ms", timeout),
+            ("grpc.http2.ping_timeout_ms", timeout)]
 
 
 def _chunks(header: KVHeader, frames: Sequence[memoryview], key: bytes | None) -> Iterator[bytes]:
@@ -222,18 +233,21 @@ class GrpcReceiver(KVReceiver):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  ack_timeout_s: float = 60.0, keys: KeyLookup | None = None,
                  server_credentials: grpc.ServerCredentials | None = None, sink: KVSink | None = None,
-                 max_lanes: int = MAX_LANES) -> None:
+                 max_lanes: int = MAX_LANES, keepalive_s: float = KEEPALIVE_S,
+                 keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> None:
         """With a `sink`, each frame is checked and handed over as it arrives, from the chunk
-        gRPC already holds (no reassembly copy when a frame fits one chunk)."""
+        gRPC already holds (no reassembly copy when a frame fits one chunk). A sender that stops
+        answering (frozen, its host down, the cable out: no FIN reaches this side) loses its
+        calls and lanes within `keepalive_s` + `keepalive_timeout_s`."""
         self._queue: queue.Queue[ReceivedKV] = queue.Queue()
         self.keys, self.sink = keys, sink
         self.ack_timeout_s = ack_timeout_s
         self.lanes = LaneServer(self._receive, max_lanes)
         # Each open lane holds a thread: the calls per transfer keep 8 of their own.
-        # Pings on idle connections: a sender gone without a word (host down, cable out) releases
-        # its lane's threads within ~80 s, not at the kernel's TCP timeout (hours).
+        # Pings on quiet connections: a sender gone without a word releases its lane's threads
+        # within keepalive_s + keepalive_timeout_s, not at the kernel's TCP timeout (hours).
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8 + max_lanes),
-                                  options=[*_OPTIONS, *_SERVER_KEEPALIVE])
+                                  options=[*_OPTIONS, *_server_keepalive(keepalive_s, keepalive_timeout_s)])
         handler = grpc.method_handlers_generic_handler(SERVICE, {
             "Push": grpc.stream_unary_rpc_method_handler(self._push),
             "Lane": grpc.stream_stream_rpc_method_handler(self.lanes.serve)})
