@@ -8,8 +8,6 @@ and import go through `frames` and `land`, and nothing outside engine/ touches `
 
 from __future__ import annotations
 
-import contextlib
-import math
 import mmap
 import os
 import warnings
@@ -19,13 +17,12 @@ import numpy as np
 import torch
 
 from engine import kernels
+from engine.huge_pages import huge_page_mapping, tensor_over
 from engine.model_meta import KVLayout, ModelSpec
 
 # A frame this big or bigger lands with streaming stores (csrc/stream_copy.c); a smaller one by
 # memcpy, whose cached lines a short prompt's first decode step reads soon after.
 STREAM_MIN_BYTES = 256 << 10
-MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range's pages in, writable, in one call
-HUGE_PAGE = 2 << 20  # a private CPU pool starts on this boundary, so that all of it can be huge pages
 
 
 def block_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
@@ -37,15 +34,6 @@ def block_runs(block_ids: Sequence[int], max_blocks: int) -> list[tuple[int, int
         else:
             runs.append((bid, 1))
     return runs
-
-
-def _tensor_over(memory: mmap.mmap, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0) -> torch.Tensor:
-    """A tensor of `shape` over a mapping's bytes from `offset` (the tensor keeps the mapping
-    alive), without torch's UserWarning about buffers it cannot tell are writable (a writable
-    mapping gives none; the guard is as it was before both pools shared this helper)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(memory, dtype=dtype, count=math.prod(shape), offset=offset).view(shape)
 
 
 class KVCache:
@@ -81,22 +69,10 @@ class KVCache:
         the 50M model's batch-32 decode step took 23.1 ms (median of six runs, 21.9-24.4) in huge
         pages against 25.3 ms (22.8-26.0) without, alternating, on a 2-core AMD EPYC. Where THP
         is off, the advice does nothing."""
-        nbytes = self.num_blocks * self.layout.block_nbytes
-        # Private: an anonymous mapping is shared by default, and shared memory gets huge pages
-        # only where the host enables them for shmem (not here).
-        self._mmap = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        base = np.frombuffer(self._mmap, dtype=np.uint8).ctypes.data
-        skip = -base % HUGE_PAGE
-        with contextlib.suppress(OSError):  # advice only
-            self._mmap.madvise(mmap.MADV_HUGEPAGE)
-        data = _tensor_over(self._mmap, dtype, shape, skip)
-        # Every page faulted in now (as torch.zeros did), not by the first steps that use it: in
-        # one call where the kernel can (Linux 5.14), else by writing the zeros.
-        try:
-            self._mmap.madvise(MADV_POPULATE_WRITE)
-        except OSError:
-            data.zero_()
-        return data
+        # Every page faulted in now (as torch.zeros did), not by the first steps that use it; a
+        # fresh anonymous mapping is zeros already.
+        self._mmap, skip = huge_page_mapping(self.num_blocks * self.layout.block_nbytes)
+        return tensor_over(self._mmap, dtype, shape, skip)
 
     def _shared_zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = self.num_blocks * self.layout.block_nbytes
@@ -108,7 +84,7 @@ class KVCache:
             os.close(fd)
             raise
         self.shared_fd = fd
-        data = _tensor_over(self._mmap, dtype, shape)
+        data = tensor_over(self._mmap, dtype, shape)
         # Written now, as torch.zeros writes its pages: the first write to each shared page
         # faults (MAP_POPULATE maps shared pages read-only, so the write still faults), and a
         # 2048-token prefill writing 32 MiB of fresh blocks took ~12% longer than from a private

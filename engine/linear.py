@@ -25,6 +25,7 @@ from bisect import bisect_left
 import torch
 from torch import nn
 
+from engine.huge_pages import into_huge_pages
 from engine.kernels import panel_gemm
 
 KERNELS = ("mkl", "onednn", "native")
@@ -148,3 +149,19 @@ def gemm_rows(m: int) -> int:
         return 1 << (m - 1).bit_length()
     step = max(8, 1 << ((m - 1).bit_length() - 4))
     return -(-m // step) * step
+
+
+def weights_into_huge_pages(net: nn.Module) -> int:
+    """Move the CPU linear layers' own copies of their weights (the MKL and native ones; oneDNN's
+    is opaque to us) into memory advised into huge pages (engine/huge_pages.py): decode steps
+    stream every weight, a TLB miss every 4 KiB of the heap. Returns bytes moved."""
+    items = []
+    for m in net.modules():
+        if not isinstance(m, Linear) or m.weight_t.device.type != "cpu":
+            continue
+        if m.weight_t.numel():
+            items.append((m.weight_t.data, lambda t, m=m: setattr(m.weight_t, "data", t)))
+        if m.panels is not None:
+            items.append((m.panels, lambda t, m=m: setattr(m, "panels", t)))
+    return into_huge_pages(items) if items else 0
+

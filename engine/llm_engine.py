@@ -28,6 +28,7 @@ from engine.detokenizer import TextStream
 from engine.gemm_plan import choose_gemm_layout, pack_linears
 from engine.hashing import hash_blocks
 from engine.kv_cache import KVCache
+from engine.linear import weights_into_huge_pages
 from engine.loader import load_model
 from engine.model_meta import KVLayout
 from engine.model_runner import ModelRunner
@@ -54,6 +55,8 @@ class LLMEngine:
         # Routes per weight shape, e.g. {"512x1024": "1-8 mkl, 9+ onednn"} (measured with "auto").
         self.gemm_routes = pack_linears(self.model, self.gemm_layout, config.max_num_batched_tokens,
                                         min(config.max_num_seqs, config.max_num_batched_tokens))
+        if self.device.type == "cpu":
+            weights_into_huge_pages(self.model)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         per_block = KVCache.bytes_per_block(self.spec, config.block_size, config.dtype)
