@@ -115,6 +115,12 @@ class SenderLane:
         self._call.cancel()
 
 
+def ack_message(rid: str, ok: bool, err: str) -> bytes:
+    """The receiver's reply to one KV (msgpack), on a lane or on a call of its own, as the sender
+    reads it (GrpcSender.poll)."""
+    return msgpack.packb({"rid": rid, "ok": ok, "err": err})
+
+
 class LaneServer:
     """The receiver's end. `receive(messages, reply)` reads one transfer from `messages`, hands it
     over, and calls `reply(ack)` once, from any thread, when its owner has answered."""
@@ -158,7 +164,7 @@ class LaneServer:
                         self.receive(iter((message,)), reply)
                     except Exception as e:  # this KV fails; the lane and the KV behind it go on
                         log.exception("KV lane: a transfer failed on the receiver")
-                        reply(msgpack.packb({"ok": False, "err": f"receiver error: {e}"}))
+                        reply(ack_message("", False, f"receiver error: {e}"))
             except Exception as e:  # the call was cancelled or broke: the callback ends the lane
                 log.debug("KV lane read ended: %s", e)
             replies.put(n)  # how many acks the lane owes before it may end

@@ -37,7 +37,7 @@ import grpc
 import msgpack
 
 from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.grpc_lane import LANE_IDLE_S, LANE_RETRY_S, MAX_LANES, LaneServer, SenderLane
+from transfer.grpc_lane import LANE_IDLE_S, LANE_RETRY_S, MAX_LANES, LaneServer, SenderLane, ack_message
 from transfer.wire import (
     KeyLookup,
     KVHeader,
@@ -268,7 +268,7 @@ class GrpcReceiver(KVReceiver):
 
         self._receive(request_iterator, reply)
         if not done.wait(self.ack_timeout_s):
-            return _ack("", False, "receiver did not process the transfer in time")
+            return ack_message("", False, "receiver did not process the transfer in time")
         return replies[0]
 
     def _receive(self, messages: Iterator[bytes], reply: Callable[[bytes], None]) -> None:
@@ -284,9 +284,9 @@ class GrpcReceiver(KVReceiver):
             more = _read_ahead(messages) if header.total_bytes > CHUNK else messages
             reader = _Reader(itertools.chain((rest,), more))
         except StopIteration:
-            return reply(_ack(rid, False, f"{rid}: stream ended early (truncated)"))
+            return reply(ack_message(rid, False, f"{rid}: stream ended early (truncated)"))
         except (TransferError, ValueError) as e:
-            return reply(_ack(rid, False, str(e)))
+            return reply(ack_message(rid, False, str(e)))
         frames: list[memoryview] = []
         error = ""
         try:
@@ -309,10 +309,10 @@ class GrpcReceiver(KVReceiver):
         except (TransferError, ValueError) as e:
             error = str(e)
         if error and self.sink is None:
-            return reply(_ack(rid, False, error))
+            return reply(ack_message(rid, False, error))
         # Landed already (with a sink), or whole for the owner to check: the owner acks either way.
         def ack(ok: bool, err: str) -> None:
-            reply(_ack(rid, ok, err))
+            reply(ack_message(rid, ok, err))
 
         self._queue.put(ReceivedKV(header, frames, ack, landed=self.sink is not None, error=error))
 
@@ -321,11 +321,6 @@ class GrpcReceiver(KVReceiver):
 
     def close(self) -> None:
         self.server.stop(grace=0)
-
-
-def _ack(rid: str, ok: bool, err: str) -> bytes:
-    """The reply to a transfer (msgpack), as the sender's poll() reads it."""
-    return msgpack.packb({"rid": rid, "ok": ok, "err": err})
 
 
 def _read_prefix(reader: _Reader, header: KVHeader, index: int, key: bytes | None) -> int:
