@@ -518,40 +518,92 @@ def _open_lane(tx, address, rx=None, timeout=5.0):
     return lane
 
 
-def test_grpc_sends_one_chunk_kv_on_the_lane_and_a_larger_one_as_a_stream():
-    """Which method carries what, seen by a plain gRPC server: while the lane opens, a one-chunk
-    KV goes as a stream; once the server has greeted the lane, one-chunk KV go on it, one message
-    each, acknowledged by sequence number; a larger KV still goes as a stream."""
+def test_grpc_lane_carries_kv_of_any_size_and_a_bulk_kv_alone():
+    """Which method carries what, seen by a plain gRPC server: while the lane opens, a KV goes as
+    a stream; once the server has greeted the lane, KV go on it, each as its own messages (one
+    for a one-chunk KV, the opening and then the frames for a larger one), acknowledged by
+    sequence number. While a bulk KV's answer is outstanding, nothing else takes the lane: a
+    small KV sent meanwhile goes as a stream, and takes the lane again once the bulk one is done.
+    A KV beyond the sender's lane_max_bytes goes as a stream, the lane idle or not."""
+    import threading
+
     import msgpack
 
-    from transfer.grpc_transport import CHUNK, _opening
+    from transfer.grpc_transport import CHUNK, GrpcSender, _messages_after_opening, _opening
+    from transfer.wire import KVHeader
 
-    seen = []
+    seen, release = [], threading.Event()
 
     def lane(messages, context):
         yield b""  # the greeting: the lane is open
-        for seq, msg in enumerate(messages):
-            seen.append(("Lane", len(_opening(msg)[2])))
+        for seq, first in enumerate(messages):
+            raw, _, rest = _opening(first)
+            more = _messages_after_opening(KVHeader.decode(raw))
+            size = len(rest) + sum(len(next(messages)) for _ in range(more))
+            seen.append(("Lane", 1 + more, size))
+            if more:
+                release.wait(10)  # the bulk KV's answer waits
             yield _lane_ack(seq)
 
     def stream(chunks, context):
-        seen.append(("Push", sum(len(c) for c in chunks)))
+        seen.append(("Push", None, sum(len(c) for c in chunks)))
         return msgpack.packb({"ok": True})
 
     server, address = _kv_transfer_server(lane, stream)
-    tx = make_sender("grpc")
+    tx = GrpcSender(lane_max_bytes=2 * CHUNK)
     try:
         _open_lane(tx, address)
         small, small_frames = make_payload()
         big, big_frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
-        for h, fs in ((small, small_frames), (small, small_frames), (big, big_frames)):
-            assert _wait(tx, tx.send(address, h, fs, timeout_s=10)).state is TransferState.DONE
-        assert [m for m, _ in seen] == ["Push", "Lane", "Lane", "Push"]
-        assert seen[1][1] > small.total_bytes  # every frame, each after its prefix
-        assert seen[3][1] > big.total_bytes  # the opening, then both frames
+        huge, huge_frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK + 1)
+        assert _wait(tx, tx.send(address, small, small_frames, timeout_s=10)).state is TransferState.DONE
+        bulk = tx.send(address, big, big_frames, timeout_s=10)
+        assert _wait(tx, tx.send(address, small, small_frames, timeout_s=10)).state is TransferState.DONE
+        release.set()
+        assert _wait(tx, bulk).state is TransferState.DONE
+        assert _wait(tx, tx.send(address, small, small_frames, timeout_s=10)).state is TransferState.DONE
+        assert _wait(tx, tx.send(address, huge, huge_frames, timeout_s=10)).state is TransferState.DONE
+        assert len(seen) == 6 and seen[0][0] == "Push" and seen[5][:2] == ("Push", None)
+        assert seen[1][:2] == seen[4][:2] == ("Lane", 1)  # a one-chunk KV: one message
+        meanwhile = {method: (n, size) for method, n, size in seen[2:4]}  # the bulk KV and the small one
+        assert meanwhile["Lane"][0] == 3 and "Push" in meanwhile  # the opening, then a message a frame
+        assert meanwhile["Lane"][1] > big.total_bytes  # both frames, each after its prefix
+        assert seen[1][2] > small.total_bytes  # every frame, each after its prefix
     finally:
+        release.set()
         tx.close()
         server.stop(0)
+
+
+def test_grpc_bulk_kv_lands_on_the_lane_and_the_lane_goes_on():
+    """A real receiver reads a bulk KV off the lane, exactly its own messages, lands it, and the
+    KV behind it on the same lane arrives whole too."""
+    from transfer.grpc_transport import CHUNK
+
+    sink = RecordingSink()
+    rx = make_receiver("grpc", host="127.0.0.1", sink=sink)
+    tx = make_sender("grpc")
+    try:
+        lane = _open_lane(tx, rx.address, rx)
+        sink.frames.clear()
+        big, big_frames = make_payload(n_frames=3, blocks=1, block_nbytes=CHUNK + 4096)
+        small, small_frames = make_payload(seed=7)
+        small.request_id = "req-small"
+        for h, fs in ((big, big_frames), (small, small_frames)):
+            handle = tx.send(rx.address, h, fs, timeout_s=10)
+            end = time.monotonic() + 5
+            while not handle.done and time.monotonic() < end:
+                for item in rx.poll(0.01):
+                    assert not item.error
+                    item.ack(True)
+                tx.poll()
+            assert handle.state is TransferState.DONE
+        assert [b for _, _, b in sink.frames] == [bytes(f) for f in (*big_frames, *small_frames)]
+        assert tx.lanes[rx.address.removeprefix("grpc://")] is lane and not lane.dead
+        assert rx.lanes.open == 1
+    finally:
+        tx.close()
+        rx.close()
 
 
 def test_grpc_lane_lands_the_next_kv_before_the_owner_acks_the_first():
@@ -579,8 +631,9 @@ def test_grpc_lane_lands_the_next_kv_before_the_owner_acks_the_first():
         rx.close()
 
 
-def test_grpc_lane_fails_a_kv_its_receiver_chokes_on_and_carries_the_next():
-    """An unexpected error while one KV is read fails that KV at once; the lane goes on."""
+def test_grpc_lane_fails_a_kv_its_receiver_chokes_on_and_the_next_kv_arrives():
+    """An unexpected error while one KV is read fails that KV at once. Where that KV's messages
+    end is then unknown, so the lane ends; the next KV arrives all the same."""
     class Choking(RecordingSink):
         def open(self, header) -> None:
             if header.request_id == "req-choke":
@@ -595,13 +648,17 @@ def test_grpc_lane_fails_a_kv_its_receiver_chokes_on_and_carries_the_next():
         bad.request_id = "req-choke"
         choked = _wait(tx, tx.send(rx.address, bad, frames, timeout_s=60), timeout=5)
         assert choked.state is TransferState.FAILED and "sink bug" in choked.error
+        end = time.monotonic() + 5
+        while not lane.dead and time.monotonic() < end:
+            time.sleep(0.01)
+        assert lane.dead
         after = tx.send(rx.address, *make_payload(seed=2), timeout_s=10)
         end = time.monotonic() + 5
         while not after.done and time.monotonic() < end:
             for item in rx.poll(0.01):
                 item.ack(True)
             tx.poll()
-        assert after.state is TransferState.DONE and not lane.dead
+        assert after.state is TransferState.DONE
     finally:
         tx.close()
         rx.close()
@@ -661,6 +718,39 @@ def test_grpc_lane_forgets_a_kv_the_sender_gave_up_on():
         expired.advance(TransferState.FAILED, "no acknowledgement before the timeout")  # as SenderLoop does
         tx.poll()
         assert lane_.idle(0.0)  # nothing waiting on it any more
+        assert _wait(tx, tx.send(address, *make_payload(seed=3), timeout_s=10)).state is TransferState.DONE
+    finally:
+        tx.close()
+        server.stop(0)
+
+
+def test_grpc_bulk_kv_the_sender_gave_up_on_ends_its_lane():
+    """A bulk KV cannot be taken back part-way, and nothing else is on the lane meanwhile: giving
+    up on one ends the lane, and the next KV goes out all the same."""
+    from transfer.grpc_transport import CHUNK, _messages_after_opening, _opening
+    from transfer.wire import KVHeader
+
+    def lane(messages, context):
+        yield b""
+        for seq, first in enumerate(messages):
+            more = _messages_after_opening(KVHeader.decode(_opening(first)[0]))
+            for _ in range(more):
+                next(messages)
+            if not more:  # a bulk KV is never answered
+                yield _lane_ack(seq)
+
+    server, address = _kv_transfer_server(lane, _drain_ok)
+    tx = make_sender("grpc")
+    try:
+        lane_ = _open_lane(tx, address)
+        bulk = tx.send(address, *make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK), timeout_s=60)
+        time.sleep(0.2)
+        assert not bulk.done and lane_.send(iter(()), bulk=False) is None  # busy with the bulk KV
+        tx.abandon(bulk)
+        end = time.monotonic() + 5
+        while not lane_.dead and time.monotonic() < end:
+            time.sleep(0.01)
+        assert lane_.dead
         assert _wait(tx, tx.send(address, *make_payload(seed=3), timeout_s=10)).state is TransferState.DONE
     finally:
         tx.close()

@@ -1,16 +1,25 @@
-"""Lanes: one long-lived bidirectional gRPC call from a sender to a receiver, carrying every KV of
-one chunk between them as one message each way.
+"""Lanes: one long-lived bidirectional gRPC call from a sender to a receiver, carrying the KV between
+them, each KV as the messages it would send on a call of its own, and each answered by one message.
 
-Each call has a fixed cost that a lane pays once: the HTTP/2 stream and its headers, and in
-grpcio a thread started per client-streaming call to drain its requests. 1 MiB raw, two
-processes, 300 turns each in three runs: a message and its answer on an open bidirectional call
-took 0.70-0.72x the time of a new client-streaming call (paired medians); a new unary call took
-about the same as the stream.
+Each call has a fixed cost that a lane pays once: the HTTP/2 stream and its headers, in grpcio a
+thread started per client-streaming call to drain its requests, and, on a channel with no other
+call open, the thread that polls its completion queue. 1 MiB raw, two processes, 300 turns each in
+three runs: a message and its answer on an open bidirectional call took 0.70-0.72x the time of a
+new client-streaming call (paired medians); a new unary call took about the same as the stream.
 
-The receiver reads a lane's messages on a thread of its own and hands each to its owner as it
+A KV of one chunk goes on the lane whenever it is open. A larger one (a bulk KV) of up to
+LANE_MAX_BYTES takes it only when nothing is waiting for an answer on it, and nothing else takes
+the lane until its answer is back: a bulk KV cannot be interleaved with another, and a small KV
+queued behind one would wait for all of its bytes. While the lane is busy, a KV goes on a call of
+its own, as before lanes. A bulk KV the sender gives up on ends the lane (it cannot be taken back
+mid-way), and the next KV opens another.
+
+The receiver reads a lane's KV on a thread of its own and hands each to its owner as it
 arrives, without waiting for the previous one's acknowledgement: the owner may hold an ack for an
 engine step, and the next KV lands meanwhile, as it would on a call of its own. So acks may come
-back in any order; each carries the sequence number of its message on the lane.
+back in any order; each carries the sequence number of its KV on the lane. A KV the receiver
+stops reading part-way (it failed a check) ends the lane after its ack, since where the next KV
+begins is lost.
 
 A lane opens in the background: the receiver's first reply (empty) says it took the lane, and the
 sender uses it from then on. A receiver refuses lanes beyond `max_lanes` (each holds one of its
@@ -22,6 +31,7 @@ end), and the next KV opens it again."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import struct
@@ -38,6 +48,12 @@ _SEQ = struct.Struct("<Q")  # before each ack on a lane: the sequence number of 
 LANE_RETRY_S = 30.0  # after a refused (or never opened) lane, calls per KV for this long
 MAX_LANES = 32  # lanes one receiver serves at once (a gRPC server thread each)
 LANE_IDLE_S = 60.0  # a lane with nothing sent for this long is closed (two threads at each end)
+# The largest KV a lane carries. A call saves nothing beyond it: grpcio moves bytes more slowly on
+# a long-lived bidirectional call than on a new client stream (raw, 64 MiB: 1.18x the time; 8 MiB:
+# 0.95x). The transport, each size alternating lane and call in one process (bench/transfer.py's
+# receiver): the lane took 0.94x the time at 8 MiB, 0.97-1.00x at 16, 1.02x at 32 and 64, 1.01-1.03x
+# at 256 MiB.
+LANE_MAX_BYTES = 16 << 20
 _CANCELLED = object()
 
 
@@ -46,8 +62,9 @@ class LaneClosed(Exception):
 
 
 class SenderLane:
-    """The sender's end: `send` returns a future of the ack bytes, or None until the lane is open
-    (or once it has failed). Any thread may send; one thread reads the replies."""
+    """The sender's end: `send` returns a future of the ack bytes, or None while the lane cannot
+    take the KV (not open yet, failed, or busy with a bulk KV). Any thread may send; one thread
+    reads the replies."""
 
     def __init__(self, call: grpc.StreamStreamMultiCallable, dest: str) -> None:
         self.dest = dest
@@ -56,23 +73,31 @@ class SenderLane:
         self.last_send = time.monotonic()
         self._lock = threading.Lock()  # send against the reader failing the lane
         self._waiting: dict[int, futures.Future] = {}
+        self._bulk: futures.Future | None = None  # a bulk KV on the lane, until its answer
         self._next = 0
-        self._requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[Iterator[bytes] | None] = queue.SimpleQueue()
         # No deadline: the lane lives until close() or an error; each transfer has its own
         # deadline, kept by the sender (transfer.SenderLoop).
-        self._call = call(iter(self._requests.get, None))
+        self._call = call(self._messages())
         threading.Thread(target=self._read, name="kv-grpc-lane", daemon=True).start()
 
-    def send(self, message: bytes) -> futures.Future | None:
+    def _messages(self) -> Iterator[bytes]:
+        """What grpcio's thread sends: each KV's messages in turn, made as they go out."""
+        while (kv := self._requests.get()) is not None:
+            yield from kv
+
+    def send(self, messages: Iterator[bytes], bulk: bool = False) -> futures.Future | None:
+        """Queue one KV's messages (`bulk`: more than one), unless the lane cannot take it now."""
         with self._lock:
-            if self.dead or not self.ready:
+            if self.dead or not self.ready or self._bulk is not None or (bulk and self._waiting):
                 return None
             fut: futures.Future = futures.Future()
             fut.set_running_or_notify_cancel()  # a sent message cannot be taken back
             self._waiting[self._next] = fut
+            self._bulk = fut if bulk else None
             self._next += 1
             self.last_send = time.monotonic()
-            self._requests.put(message)  # under the lock: queued in sequence order
+            self._requests.put(messages)  # under the lock: queued in sequence order
         return fut
 
     def _read(self) -> None:
@@ -85,6 +110,8 @@ class SenderLane:
                 (seq,) = _SEQ.unpack_from(reply)
                 with self._lock:
                     fut = self._waiting.pop(seq, None)
+                    if fut is not None and fut is self._bulk:
+                        self._bulk = None
                 if fut is not None:
                     fut.set_result(reply[_SEQ.size:])
         except grpc.RpcError as e:
@@ -101,9 +128,13 @@ class SenderLane:
             fut.set_exception(error)
 
     def forget(self, fut: futures.Future) -> None:
-        """The sender gave up on this KV (abandoned, or past its deadline)."""
+        """The sender gave up on this KV (abandoned, or past its deadline). A bulk KV may still
+        be going out: the lane ends, which stops it (nothing else is on the lane meanwhile)."""
         with self._lock:
             self._waiting = {seq: f for seq, f in self._waiting.items() if f is not fut}
+            bulk = fut is self._bulk
+        if bulk:
+            self.close()
 
     def idle(self, idle_s: float) -> bool:
         """Nothing sent for `idle_s` and nothing waiting for an answer."""
@@ -122,10 +153,11 @@ def ack_message(rid: str, ok: bool, err: str) -> bytes:
 
 
 class LaneServer:
-    """The receiver's end. `receive(messages, reply)` reads one transfer from `messages`, hands it
-    over, and calls `reply(ack)` once, from any thread, when its owner has answered."""
+    """The receiver's end. `receive(messages, reply)` reads one KV from `messages` (its first,
+    then the lane's), hands it over, calls `reply(ack)` once, from any thread, when its owner has
+    answered, and returns whether it read exactly that KV's messages (the lane then goes on)."""
 
-    def __init__(self, receive: Callable[[Iterator[bytes], Callable[[bytes], None]], None],
+    def __init__(self, receive: Callable[[Iterator[bytes], Callable[[bytes], None]], bool],
                  max_lanes: int = MAX_LANES) -> None:
         self.receive, self.max_lanes = receive, max_lanes
         self._lock = threading.Lock()
@@ -161,10 +193,13 @@ class LaneServer:
                         replies.put(_SEQ.pack(seq) + ack)
 
                     try:
-                        self.receive(iter((message,)), reply)
-                    except Exception as e:  # this KV fails; the lane and the KV behind it go on
+                        whole = self.receive(itertools.chain((message,), request_iterator), reply)
+                    except Exception as e:  # this KV fails, and where the next begins is unknown
                         log.exception("KV lane: a transfer failed on the receiver")
                         reply(ack_message("", False, f"receiver error: {e}"))
+                        whole = False
+                    if not whole:
+                        break
             except Exception as e:  # the call was cancelled or broke: the callback ends the lane
                 log.debug("KV lane read ended: %s", e)
             replies.put(n)  # how many acks the lane owes before it may end

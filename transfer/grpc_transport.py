@@ -12,11 +12,14 @@ before its first byte left (256 MiB: ~9 ms here). The header's tag is checked be
 read, and a frame's before its bytes are.
 
 A KV of one chunk is one message each way: against three (header, tag, chunk), a 1 MiB transfer
-took 7-12% less time (paired, one process pair). Between a sender and a receiver that message goes
-on a lane (transfer/grpc_lane.py), one bidirectional call kept open, which saves each KV the cost
-of a call of its own. Until the lane is open, and for larger KV, a transfer is one
+took 7-12% less time (paired, one process pair). Between a sender and a receiver a KV goes on a
+lane (transfer/grpc_lane.py), one bidirectional call kept open, which saves each KV the cost of a
+call of its own; until the lane is open, or while it carries a larger KV, a transfer is one
 client-streaming call. bench/transfer.py, 1 MiB, against a raw client stream of the same bytes
-sent beside it: 0.89-1.04 (thirteen runs, security off and token) where a call per KV read 0.63-0.81.
+sent beside it: 0.89-1.04 (thirteen runs, security off and token) where a call per KV read
+0.63-0.81. Larger KV, the same KV on the lane or on a call of its own, in turns in one
+process: the lane took 0.94x the time at 8 MiB and 0.97-1.00x at 16 MiB, and was slower beyond
+(grpc_lane.LANE_MAX_BYTES).
 
 Tried before lanes: a blocking unary call per one-chunk KV, on a pool of the sender's threads
 (as `.future()` from the sender thread it took 1.4-1.55x as long), was 1.21-1.31x the stream's
@@ -37,7 +40,15 @@ import grpc
 import msgpack
 
 from transfer.base import KVReceiver, KVSender, KVSink, ReceivedKV, TransferHandle, TransferState, drain
-from transfer.grpc_lane import LANE_IDLE_S, LANE_RETRY_S, MAX_LANES, LaneServer, SenderLane, ack_message
+from transfer.grpc_lane import (
+    LANE_IDLE_S,
+    LANE_MAX_BYTES,
+    LANE_RETRY_S,
+    MAX_LANES,
+    LaneServer,
+    SenderLane,
+    ack_message,
+)
 from transfer.wire import (
     KeyLookup,
     KVHeader,
@@ -52,10 +63,10 @@ from transfer.wire import (
 
 # The service's name carries the wire's generation: a sender and a receiver of different ones
 # (a cluster half upgraded) meet UNIMPLEMENTED, not frames they misread. 2: per-frame digests;
-# 3: lanes for one-chunk KV (the unary PushOne gone).
-SERVICE = "pdserve.kv3.KVTransfer"
+# 3: lanes for one-chunk KV (the unary PushOne gone); 4: KV of any size on a lane.
+SERVICE = "pdserve.kv4.KVTransfer"
 METHOD = f"/{SERVICE}/Push"  # client-streaming: one KV (of any size)
-METHOD_LANE = f"/{SERVICE}/Lane"  # bidirectional: many one-chunk KV, one message each (grpc_lane)
+METHOD_LANE = f"/{SERVICE}/Lane"  # bidirectional: many KV, one after another (grpc_lane)
 CHUNK = 4 << 20
 _OPTIONS = [("grpc.max_receive_message_length", 2 * CHUNK), ("grpc.max_send_message_length", 2 * CHUNK)]
 KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 60.0, 20.0  # the receiver pings a connection silent this long
@@ -119,11 +130,20 @@ def _opening(first: bytes) -> tuple[bytes, bytes, memoryview]:
     return bytes(view[_OPENING.size:_OPENING.size + hlen]), bytes(view[_OPENING.size + hlen:end]), view[end:]
 
 
+def _messages_after_opening(header: KVHeader) -> int:
+    """How many messages follow a KV's opening (_chunks): none when it fits one chunk, else each
+    frame's bytes in chunks of CHUNK (at least one message a frame, for its prefix)."""
+    if header.total_bytes <= CHUNK:
+        return 0
+    return sum(max(1, -(-f.nbytes // CHUNK)) for f in header.frames)
+
+
 class GrpcSender(KVSender):
     def __init__(self, channel_credentials: grpc.ChannelCredentials | None = None,
-                 channel_options: list | None = None, lane_idle_s: float = LANE_IDLE_S) -> None:
+                 channel_options: list | None = None, lane_idle_s: float = LANE_IDLE_S,
+                 lane_max_bytes: int = LANE_MAX_BYTES) -> None:
         super().__init__()
-        self.lane_idle_s = lane_idle_s
+        self.lane_idle_s, self.lane_max_bytes = lane_idle_s, lane_max_bytes
         self.channels: dict[str, grpc.Channel] = {}
         self.lanes: dict[str, SenderLane] = {}
         self._no_lane_until: dict[str, float] = {}  # dest -> when to try a lane again
@@ -156,13 +176,15 @@ class GrpcSender(KVSender):
         header.transfer_id = handle.transfer_id = f"{header.request_id}#{next(self._ids)}"
         dest = dest.removeprefix("grpc://")
         messages = _chunks(header, frames, key)
+        if header.total_bytes <= CHUNK:  # made now: a lane may send it later, its frames freed by then
+            messages = iter((next(messages),))
+        # Opened whatever the KV's size: an open lane also keeps the channel's polling thread,
+        # which grpcio otherwise starts again for each call on an idle channel.
+        lane = self._lane(dest)
         fut = None
-        if header.total_bytes <= CHUNK:
-            lane = self._lane(dest)
-            first = next(messages)  # the only one
-            fut = lane.send(first) if lane is not None else None
-            messages = iter((first,))
-        if fut is None:
+        if lane is not None and header.total_bytes <= self.lane_max_bytes:
+            fut = lane.send(messages, bulk=header.total_bytes > CHUNK)
+        if fut is None:  # no lane open, it is busy with a bulk KV, or the KV is larger than it takes
             fut = self._channel(dest).stream_unary(METHOD).future(messages, timeout=timeout_s)
         fut.add_done_callback(lambda _: self.wake())  # the reply (or error) ends a sender thread's wait
         handle.advance(TransferState.SENT)
@@ -266,27 +288,33 @@ class GrpcReceiver(KVReceiver):
             replies.append(ack)
             done.set()
 
-        self._receive(request_iterator, reply)
+        self._receive(request_iterator, reply, lane=False)
         if not done.wait(self.ack_timeout_s):
             return ack_message("", False, "receiver did not process the transfer in time")
         return replies[0]
 
-    def _receive(self, messages: Iterator[bytes], reply: Callable[[bytes], None]) -> None:
+    def _receive(self, messages: Iterator[bytes], reply: Callable[[bytes], None], lane: bool = True) -> bool:
         """Read one transfer from `messages` and hand it to the owner, whose ack goes to `reply`
-        (msgpack); a transfer refused before it reaches the owner is answered at once."""
-        rid = ""
+        (msgpack); a transfer refused before it reaches the owner is answered at once. On a
+        `lane`, only the KV's own messages are read (its header says how many), and the result
+        says whether all of them were: where a KV was left part-read, its lane cannot go on."""
+        rid, one_message = "", False
         try:
             raw, tag, rest = _opening(next(messages))
             header = KVHeader.decode(raw)
-            rid = header.request_id
+            rid, one_message = header.request_id, header.total_bytes <= CHUNK
+            if lane:
+                messages = itertools.islice(messages, _messages_after_opening(header))
             key = authorize(self.keys, header, raw, tag)  # before any frame byte is read
             # A larger KV's chunks are read ahead while each is checked and landed.
-            more = _read_ahead(messages) if header.total_bytes > CHUNK else messages
+            more = messages if one_message else _read_ahead(messages)
             reader = _Reader(itertools.chain((rest,), more))
         except StopIteration:
-            return reply(ack_message(rid, False, f"{rid}: stream ended early (truncated)"))
+            reply(ack_message(rid, False, f"{rid}: stream ended early (truncated)"))
+            return False
         except (TransferError, ValueError) as e:
-            return reply(ack_message(rid, False, str(e)))
+            reply(ack_message(rid, False, str(e)))
+            return one_message
         frames: list[memoryview] = []
         error = ""
         try:
@@ -309,12 +337,15 @@ class GrpcReceiver(KVReceiver):
         except (TransferError, ValueError) as e:
             error = str(e)
         if error and self.sink is None:
-            return reply(ack_message(rid, False, error))
+            reply(ack_message(rid, False, error))
+            return one_message
+
         # Landed already (with a sink), or whole for the owner to check: the owner acks either way.
         def ack(ok: bool, err: str) -> None:
             reply(ack_message(rid, ok, err))
 
         self._queue.put(ReceivedKV(header, frames, ack, landed=self.sink is not None, error=error))
+        return one_message or not error
 
     def poll(self, timeout_s: float = 0.0) -> list[ReceivedKV]:
         return drain(self._queue, timeout_s)
