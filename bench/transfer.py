@@ -34,11 +34,11 @@ many transfers open at once cannot block on one: `raw_grpc_nonblocking` makes th
 as `.future()` and waits on its done-callback, as the gRPC transport's sender thread does, and
 its `paired_vs_raw_grpc` (against blocking calls alternating with it) is what gRPC's own
 non-blocking path costs before the transport does anything (about 0.2 ms a call here).
-A KV of one 4 MiB chunk or less goes as one message on a lane, a bidirectional call the sender
-keeps open to the receiver (transfer/grpc_lane.py), so up to that size there is also
-`raw_grpc_lane`, the same bytes as one message on an open bidirectional call, answered by one
-message: the gRPC rows' `vs_raw_grpc_lane` and `paired_vs_raw_lane` compare with it, the cheapest
-way gRPC offers to move the bytes, without a call's own cost.
+A KV of up to 16 MiB goes on a lane, a bidirectional call the sender keeps open to the receiver
+(transfer/grpc_lane.py); one of one 4 MiB chunk or less goes there as one message, so up to that
+size there is also `raw_grpc_lane`, the same bytes as one message on an open bidirectional call,
+answered by one message: the gRPC rows' `vs_raw_grpc_lane` and `paired_vs_raw_lane` compare with
+it, the cheapest way gRPC offers to move the bytes, without a call's own cost.
 
 Part 2: TTFT split into queue / prefill / first-token delivery, plus the KV transfer time, for
 128- and 2048-token prompts through a real router + prefill + decode on the 50M model.
