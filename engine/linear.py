@@ -164,4 +164,3 @@ def weights_into_huge_pages(net: nn.Module) -> int:
         if m.panels is not None:
             items.append((m.panels, lambda t, m=m: setattr(m, "panels", t)))
     return into_huge_pages(items) if items else 0
-

@@ -55,8 +55,7 @@ class LLMEngine:
         # Routes per weight shape, e.g. {"512x1024": "1-8 mkl, 9+ onednn"} (measured with "auto").
         self.gemm_routes = pack_linears(self.model, self.gemm_layout, config.max_num_batched_tokens,
                                         min(config.max_num_seqs, config.max_num_batched_tokens))
-        if self.device.type == "cpu":
-            weights_into_huge_pages(self.model)
+        weights_into_huge_pages(self.model)  # CPU weights only
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         per_block = KVCache.bytes_per_block(self.spec, config.block_size, config.dtype)

@@ -94,7 +94,8 @@ class SenderLane:
             fut: futures.Future = futures.Future()
             fut.set_running_or_notify_cancel()  # a sent message cannot be taken back
             self._waiting[self._next] = fut
-            self._bulk = fut if bulk else None
+            if bulk:
+                self._bulk = fut
             self._next += 1
             self.last_send = time.monotonic()
             self._requests.put(messages)  # under the lock: queued in sequence order
@@ -110,7 +111,7 @@ class SenderLane:
                 (seq,) = _SEQ.unpack_from(reply)
                 with self._lock:
                     fut = self._waiting.pop(seq, None)
-                    if fut is not None and fut is self._bulk:
+                    if fut is self._bulk:
                         self._bulk = None
                 if fut is not None:
                     fut.set_result(reply[_SEQ.size:])

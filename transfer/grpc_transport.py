@@ -175,15 +175,15 @@ class GrpcSender(KVSender):
         # Frame tags name the transfer: a frame of one part of a KV cannot pass for another's.
         header.transfer_id = handle.transfer_id = f"{header.request_id}#{next(self._ids)}"
         dest = dest.removeprefix("grpc://")
-        messages = _chunks(header, frames, key)
-        if header.total_bytes <= CHUNK:  # made now: a lane may send it later, its frames freed by then
+        messages, bulk = _chunks(header, frames, key), _messages_after_opening(header) > 0
+        if not bulk:  # made now: a lane may send it later, its frames freed by then
             messages = iter((next(messages),))
         # Opened whatever the KV's size: an open lane also keeps the channel's polling thread,
         # which grpcio otherwise starts again for each call on an idle channel.
         lane = self._lane(dest)
         fut = None
         if lane is not None and header.total_bytes <= self.lane_max_bytes:
-            fut = lane.send(messages, bulk=header.total_bytes > CHUNK)
+            fut = lane.send(messages, bulk=bulk)
         if fut is None:  # no lane open, it is busy with a bulk KV, or the KV is larger than it takes
             fut = self._channel(dest).stream_unary(METHOD).future(messages, timeout=timeout_s)
         fut.add_done_callback(lambda _: self.wake())  # the reply (or error) ends a sender thread's wait
@@ -302,9 +302,10 @@ class GrpcReceiver(KVReceiver):
         try:
             raw, tag, rest = _opening(next(messages))
             header = KVHeader.decode(raw)
-            rid, one_message = header.request_id, header.total_bytes <= CHUNK
+            rid, more = header.request_id, _messages_after_opening(header)
+            one_message = not more
             if lane:
-                messages = itertools.islice(messages, _messages_after_opening(header))
+                messages = itertools.islice(messages, more)
             key = authorize(self.keys, header, raw, tag)  # before any frame byte is read
             # A larger KV's chunks are read ahead while each is checked and landed.
             more = messages if one_message else _read_ahead(messages)
