@@ -20,6 +20,7 @@ from engine.model_meta import fingerprint, resolve_model_path
 from pdcommon.config import ClusterConfig
 from pdcommon.convert import layout_to_proto, stats_to_proto
 from pdcommon.engine_loop import EngineLoop
+from pdcommon.gc_heap import frozen_objects
 from pdcommon.grpc_server import make_server
 from pdcommon.security import ClusterIdentity
 from pdcommon.v1 import worker_pb2 as wpb
@@ -92,7 +93,8 @@ class WorkerRuntime:
         gauges = self.service.gauges() if hasattr(self.service, "gauges") else {}
         return stats_to_proto(self.worker_id, self.role, self.address, self.state, st, inflight=self.inflight,
                               requests_served=self.served, reserved_blocks=self.reserved_blocks,
-                              orphan_blocks=self._orphans, open_fds=_open_fds(), rss_bytes=_rss_bytes(), **gauges)
+                              orphan_blocks=self._orphans, open_fds=_open_fds(), rss_bytes=_rss_bytes(),
+                              gc_frozen_objects=frozen_objects(), **gauges)
 
     def _count_orphans(self) -> None:
         self._orphans = max(self.engine.orphan_refs(), 0)

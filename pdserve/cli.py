@@ -111,6 +111,7 @@ def _launcher(cfg, asked: str) -> str:
 
 def _up_processes(cfg, t0: float) -> int:
     """`pdserve up` with processes: the router in this process, workers as its children."""
+    from pdcommon.gc_heap import freeze_startup_heap
     from pdcommon.priority import lower_thread_priority
     from pdcommon.security import ClusterIdentity, SecurityConfigError, provision_token, remove_secret, token_path
     from pdserve.launch.cluster import pin_ports
@@ -129,6 +130,7 @@ def _up_processes(cfg, t0: float) -> int:
         _print_ready(cfg, server.address, t0, "worker processes, ")
         _print_workers(server.core.members.workers.values())
         _print_endpoints(cfg, server.control_address, server.core.http_address)
+        freeze_startup_heap()  # this process serves the router until it exits (pdcommon/gc_heap.py)
 
     try:
         return _run_async(lambda stop: run_local(cfg, stop, ready), cfg.process.event_loop)
@@ -389,6 +391,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         started = asyncio.get_running_loop().create_future()
         started.add_done_callback(lambda f: print(f"router serving on {f.result()}", flush=True))
         started.add_done_callback(lambda f: lower_thread_priority(cfg.process.io_nice))
+        started.add_done_callback(_freeze_heap)
         await serve(cfg, launcher, stop, started)
 
     return _run_async(run, cfg.process.event_loop)
@@ -413,9 +416,19 @@ def _cmd_worker(args: argparse.Namespace, role: str) -> int:
         started.add_done_callback(lambda f: print(f"{role} worker {worker_id} serving on {f.result()}", flush=True))
         # After start: the engine thread, started already, keeps its priority (pdcommon/priority.py).
         started.add_done_callback(lambda f: lower_thread_priority(cfg.process.io_nice))
+        started.add_done_callback(_freeze_heap)
         await serve_worker(cfg, role, worker_id, router_addr, stop, started)
 
     return _run_async(run, cfg.process.event_loop)
+
+
+def _freeze_heap(started: asyncio.Future) -> None:
+    """Once a router or worker process serves, its start-up heap leaves the garbage collector's
+    walks (pdcommon/gc_heap.py): this process serves one role until it exits."""
+    if not started.cancelled() and started.exception() is None:
+        from pdcommon.gc_heap import freeze_startup_heap
+
+        freeze_startup_heap()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ WORKER_GAUGES = {"used_blocks": "KV blocks referenced (by live requests)",
                  "peer_sockets": "Open connections to peers (KV senders: ZeroMQ sockets, gRPC lanes)",
                  "open_fds": "Open file descriptors of the worker process",
                  "rss_bytes": "Resident memory of the worker process",
+                 "gc_frozen_objects": "Start-up objects frozen out of the garbage collector's walks (0: none)",
                  # Not a leak gauge: 0 means every decode worker gets this prefill worker's KV by socket.
                  "kv_shared_peers": "Decode workers that land this prefill worker's KV from its shared memory"}
 _ITL = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import yaml
 
+from pdcommon.client import RouterClient
 from pdserve.launch.ports import free_port
 from tests.conftest import hf_greedy
 
@@ -95,6 +96,11 @@ def test_up_generate_status_scale_and_clean_stop(stories_path):
         assert r.returncode == 0 and "TTFT" in r.stderr
         r = run_cli("status", "--router", addr)
         assert r.returncode == 0 and "prefill-0" in r.stdout and "decode-0" in r.stdout
+        # Ray actors freeze their start-up heap too, and /metrics shows it per worker.
+        with urllib.request.urlopen(f"{http}/metrics", timeout=30) as resp:
+            lines = resp.read().decode().splitlines()
+        gauges = [ln for ln in lines if ln.startswith("pdserve:worker_gc_frozen_objects{")]
+        assert len(gauges) == 2 and all(float(ln.split()[-1]) > 50_000 for ln in gauges), gauges
         # Scale is on the control plane: `up` keeps the cluster token where this machine's operator
         # commands find it; with another token it is refused.
         r = run_cli("scale", "--router", addr, "--pool", "prefill", "--replicas", "2",
@@ -157,6 +163,11 @@ def test_up_with_worker_processes(stories_path, tmp_path):
         r = run_cli("generate", "--router", addr, "--max-tokens", "20", "--json", "Once upon a time")
         assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["token_ids"] == want, r.stderr
         _assert_secret_kept(up, output)
+        # Each worker process froze its start-up heap once serving (pdcommon/gc_heap.py); the
+        # heartbeat says how much of it the collector no longer walks (torch alone is ~10^5 objects).
+        with RouterClient(addr) as client:
+            frozen = {w.role: w.gc_frozen_objects for w in client.status().workers}
+        assert sorted(frozen) == ["decode", "prefill"] and min(frozen.values()) > 50_000, frozen
         kids["decode"].kill()  # the router notices the silence and starts a replacement through the launcher
         end = time.monotonic() + 60
         while time.monotonic() < end and _children(up).get("decode", kids["decode"]).pid == kids["decode"].pid:

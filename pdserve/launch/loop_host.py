@@ -10,6 +10,7 @@ from collections.abc import Callable, Coroutine
 
 from pdcommon import event_loop as loops
 from pdcommon.event_loop import EventLoopKind
+from pdcommon.gc_heap import freeze_startup_heap
 from pdcommon.priority import lower_thread_priority
 
 
@@ -17,13 +18,16 @@ class LoopHost:
     """Runs one async serve() in a thread; `started` gets its address."""
 
     def __init__(self, make: Callable[[asyncio.Event, asyncio.Future], Coroutine], io_nice: int = 0,
-                 event_loop: EventLoopKind = "uvloop") -> None:
+                 event_loop: EventLoopKind = "uvloop", freeze_heap: bool = False) -> None:
+        """`freeze_heap`: the process hosts this server until it exits (a Ray actor), so its
+        start-up heap is frozen once the server is up (pdcommon/gc_heap.py)."""
         self._ready = threading.Event()
         self._event_loop = event_loop
         self._address = ""
         self._error: BaseException | None = None
         self._make = make
         self._io_nice = io_nice
+        self._freeze_heap = freeze_heap
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
         self.started: asyncio.Future | None = None  # on `loop`: the serve() address, once it has one
@@ -57,6 +61,8 @@ class LoopHost:
         if fut.exception() is not None:  # serve() failed: `wait` reports it
             return
         lower_thread_priority(self._io_nice)
+        if self._freeze_heap:
+            freeze_startup_heap()
         self._address = fut.result()
         self._ready.set()
 

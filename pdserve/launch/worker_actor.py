@@ -22,7 +22,7 @@ class WorkerActor:
         restore_priority(config.process.nice)  # before any thread starts: they inherit it
         self.worker_id = worker_id
         self.host = LoopHost(lambda stop, started: serve_worker(config, role, worker_id, router_address, stop, started),
-                             config.process.io_nice, config.process.event_loop)
+                             config.process.io_nice, config.process.event_loop, freeze_heap=True)
 
     def ready(self, timeout_s: float = 300.0) -> str:
         return self.host.wait(timeout_s)
