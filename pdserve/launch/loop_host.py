@@ -61,10 +61,10 @@ class LoopHost:
         if fut.exception() is not None:  # serve() failed: `wait` reports it
             return
         lower_thread_priority(self._io_nice)
-        if self._freeze_heap:
-            freeze_startup_heap()
         self._address = fut.result()
         self._ready.set()
+        if self._freeze_heap:  # after readiness: its collection (~0.1 s) need not delay `ready`
+            freeze_startup_heap()
 
     def wait_loop(self, timeout_s: float) -> asyncio.AbstractEventLoop:
         """The running loop (to submit work to before serve() has started)."""
