@@ -96,7 +96,9 @@ def test_up_generate_status_scale_and_clean_stop(stories_path):
         assert r.returncode == 0 and "TTFT" in r.stderr
         r = run_cli("status", "--router", addr)
         assert r.returncode == 0 and "prefill-0" in r.stdout and "decode-0" in r.stdout
-        # Ray actors freeze their start-up heap too, and /metrics shows it per worker.
+        # Ray actors freeze their start-up heap too (after they report ready), and /metrics
+        # shows it per worker once a heartbeat has carried it.
+        assert min(_frozen_counts(addr, 15.0).values()) > 0
         with urllib.request.urlopen(f"{http}/metrics", timeout=30) as resp:
             lines = resp.read().decode().splitlines()
         gauges = [ln for ln in lines if ln.startswith("pdserve:worker_gc_frozen_objects{")]
@@ -136,6 +138,18 @@ def _up_processes(tmp_path: Path, env: dict | None = None) -> tuple[subprocess.P
         raise
 
 
+def _frozen_counts(addr: str, timeout_s: float) -> dict[str, int]:
+    """Each worker's heartbeat count of frozen objects by role, once every one is above 0 (or
+    what the router has at the deadline)."""
+    end = time.monotonic() + timeout_s
+    with RouterClient(addr) as client:
+        while True:
+            frozen = {w.role: w.gc_frozen_objects for w in client.status().workers}
+            if (frozen and min(frozen.values()) > 0) or time.monotonic() > end:
+                return frozen
+            time.sleep(0.2)
+
+
 def _children(up: subprocess.Popen) -> dict[str, psutil.Process]:
     """`pdserve up`'s live worker processes by role (a killed one is a zombie until `up` reaps it)."""
     out = {}
@@ -165,8 +179,8 @@ def test_up_with_worker_processes(stories_path, tmp_path):
         _assert_secret_kept(up, output)
         # Each worker process froze its start-up heap once serving (pdcommon/gc_heap.py); the
         # heartbeat says how much of it the collector no longer walks (torch alone is ~10^5 objects).
-        with RouterClient(addr) as client:
-            frozen = {w.role: w.gc_frozen_objects for w in client.status().workers}
+        # A worker registers before it freezes, so the router may not have heard the count yet.
+        frozen = _frozen_counts(addr, 15.0)
         assert sorted(frozen) == ["decode", "prefill"] and min(frozen.values()) > 50_000, frozen
         kids["decode"].kill()  # the router notices the silence and starts a replacement through the launcher
         end = time.monotonic() + 60
