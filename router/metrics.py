@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from router.core import RouterCore, slo_met
@@ -155,6 +155,12 @@ class RouterMetrics:
                                       registry=r)
         self.colocated = core.colocated
         r.register(_ClusterCollector(core))
+        # The router process's own figures, as any Prometheus Python client exports them (vLLM's
+        # /metrics too): process_cpu_seconds_total, process_resident_memory_bytes, open fds,
+        # python_gc_collections_total per generation, python_info.
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        PlatformCollector(registry=r)
         core.observers.append(self)
 
     # Observer hooks called by RouterCore.

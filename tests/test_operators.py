@@ -182,6 +182,10 @@ def test_prometheus_metrics_agree_with_requests(stories_path):
     # Every prompt was looked up once in the prefill worker's prefix cache (3 to 5 tokens each).
     assert sample(fams, "pdserve:prefix_cache_queries", "_total") == 5 * n + 4 + 3 + 5
     assert sample(fams, "pdserve:prefix_cache_hits", "_total") == 0
+    # The router process's standard figures beside pdserve's own.
+    assert sample(fams, "process_resident_memory_bytes") > 0 and sample(fams, "process_cpu_seconds", "_total") > 0
+    assert sample(fams, "python_gc_collections", "_total", generation="2") >= 0
+    assert sample(fams, "python_info")
 
 
 def test_pdserve_bench_json_is_consistent(cluster, tmp_path):
