@@ -98,7 +98,7 @@ def _chunks(header: KVHeader, frames: Sequence[memoryview], key: bytes | None) -
     tag = header_tag(key, raw)
     views = [memoryview(f).cast("B") for f in frames]
     opening = [_OPENING.pack(len(raw), len(tag)), raw, tag]
-    if header.total_bytes <= CHUNK:
+    if not _messages_after_opening(header):  # the receiver counts the messages by the same rule
         for i, mv in enumerate(views):
             opening += [_prefix(header, i, mv, key), mv]
         yield b"".join(opening)
