@@ -90,15 +90,33 @@ def gather_blocks(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rows.view(*table.shape, *cache.shape[1:])
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             blocks: torch.Tensor, offsets: torch.Tensor) -> None:
+    """k_cache[blocks, offsets] = k and the same for v: natively in one call where each token's
+    heads lie packed in k, v and the caches' slots (a CPU pool), else by index_put."""
+    from engine.kernels import elementwise
+
+    fns = elementwise() if k.device.type == "cpu" and k_cache.device.type == "cpu" else None
+    slot_packed = k_cache.stride(3) == 1 and (k_cache.shape[2] == 1 or k_cache.stride(2) == k_cache.shape[3])
+    if (fns is not None and _rows_packed(k) and _rows_packed(v) and slot_packed
+            and k_cache.stride() == v_cache.stride() and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and blocks.dtype == offsets.dtype == torch.int64 and blocks.is_contiguous() and offsets.is_contiguous()):
+        e = k.element_size()
+        fns.write_kv(k.data_ptr(), k.stride(0) * e, v.data_ptr(), v.stride(0) * e, k.shape[0],
+                     k.shape[1] * k.shape[2] * e, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0) * e,
+                     k_cache.stride(1) * e, blocks.data_ptr(), offsets.data_ptr())
+        return
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D] (may be strided
     views). Writes k/v into the cache and returns the attention output [T, H, D]."""
     if meta.slot_blocks is None:
         meta.prepare(q.shape[0])
-    blocks, offsets = meta.slot_blocks, meta.slot_offsets
-    k_cache[blocks, offsets] = k
-    v_cache[blocks, offsets] = v
+    write_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
     kvh, d = k.shape[1], k.shape[2]
     if not meta.prefills and len(meta.decode_groups) == 1 and meta.decode_groups[0].all_rows:
         return _decode(q, k_cache, v_cache, meta.decode_groups[0], kvh, d, meta)  # a pure decode step
@@ -225,13 +243,15 @@ def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     of 512 tokens. ctypes releases the GIL for the call."""
     from engine.kernels import paged_decode
 
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if not _rows_packed(q):
+        q = q.contiguous()
     b, h, d = q.shape
+    out = torch.empty(b, h, d, dtype=q.dtype)
     tables, lens = g.block_tables, g.context_lens
-    paged_decode()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-                   k_cache.stride(2), tables.data_ptr(), tables.stride(0), lens.data_ptr(), b, h, k_cache.shape[2], d,
-                   k_cache.shape[1], window or 0, d ** -0.5, out.data_ptr())
+    # q's rows are read where they lie (a view of the qkv projection), each `q.stride(0)` apart.
+    paged_decode()(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                   k_cache.stride(1), k_cache.stride(2), tables.data_ptr(), tables.stride(0), lens.data_ptr(), b, h,
+                   k_cache.shape[2], d, k_cache.shape[1], window or 0, d ** -0.5, out.data_ptr())
     return out
 
 

@@ -106,8 +106,8 @@ _I64, _I32, _PTR, _F32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c
 def paged_decode():
     """The C function paged_decode_attention with its argument types, or None."""
     fn, lib = _function("paged_attention.c", "paged_decode_attention",
-                        [_PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I32, _I32, _I32, _I32, _I32, _I64,
-                         _F32, _PTR], "decode attention uses torch ops (slower for long contexts)")
+                        [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _I32, _I32, _I32, _I32, _I32,
+                         _I64, _F32, _PTR], "decode attention uses torch ops (slower for long contexts)")
     if fn is None:
         return None
     limits = [ctypes.c_int() for _ in range(3)]
@@ -136,7 +136,8 @@ def prefill_attention():
 def panel_gemm():
     """The C function panel_gemm (csrc/panel_gemm.c) with its argument types, or None. Its
     `panel_width` is the number of columns per packed panel."""
-    fn, lib = _function("panel_gemm.c", "panel_gemm", [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64],
+    fn, lib = _function("panel_gemm.c", "panel_gemm",
+                        [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64],
                         "linear layers use MKL and oneDNN")
     if fn is None:
         return None
@@ -152,18 +153,22 @@ class Elementwise(NamedTuple):
     silu_mul: ctypes._CFuncPtr
     rotary: ctypes._CFuncPtr
     row_argmax_lse: ctypes._CFuncPtr
+    write_kv: ctypes._CFuncPtr
 
 
 @functools.cache
 def elementwise() -> Elementwise | None:
     """The C functions of csrc/elementwise.c with their argument types, or None."""
-    lib = _load("elementwise.c", "SiLU-and-multiply, rotary embeddings and the sampler's argmax use torch ops")
+    lib = _load("elementwise.c",
+                "SiLU-and-multiply, rotary embeddings, KV writes and the sampler's argmax use torch ops")
     if lib is None:
         return None
     lib.silu_mul.argtypes, lib.silu_mul.restype = [_PTR, _I64, _I64, _I64, _PTR, _I64], None
     lib.rotary.argtypes, lib.rotary.restype = [_PTR, _I64, _I64, _I32, _I32, _PTR, _PTR, _I64], None
     lib.row_argmax_lse.argtypes, lib.row_argmax_lse.restype = [_PTR, _I64, _I64, _I64, _PTR, _PTR], None
-    return Elementwise(lib.silu_mul, lib.rotary, lib.row_argmax_lse)
+    lib.write_kv.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
+    lib.write_kv.restype = None
+    return Elementwise(lib.silu_mul, lib.rotary, lib.row_argmax_lse, lib.write_kv)
 
 
 @functools.cache

@@ -114,8 +114,10 @@ class Linear(nn.Module):
         if "native" not in self.route_kernels:
             self.panels = None
 
-    def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
-        """x W^T + b on one kernel, whatever the routes say (the tuner times each this way)."""
+    def run(self, kernel: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T + b (+ residual) on one kernel, whatever the routes say (the tuner times each this
+        way). The native kernel adds the residual as it stores its tiles; the others add it after,
+        which rounds the same: (x W^T + b) + residual."""
         m = x.shape[0]
         if kernel == "native":
             if x.stride(-1) != 1:
@@ -123,8 +125,19 @@ class Linear(nn.Module):
             n = self.weight_t.shape[1]  # the panels sit beside the MKL copy, never instead of it
             y = torch.empty(m, n, dtype=x.dtype, device=x.device)
             bias = None if self.bias is None else self.bias.data_ptr()
-            panel_gemm()(x.data_ptr(), x.stride(0), m, x.shape[1], self.panels.data_ptr(), n, bias, y.data_ptr(), n)
+            res, ldr = None, 0
+            if residual is not None:
+                if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != y.dtype:
+                    raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} for a {m} x {n} output")
+                res, ldr = residual.data_ptr(), residual.stride(0)
+            panel_gemm()(x.data_ptr(), x.stride(0), m, x.shape[1], self.panels.data_ptr(), n, bias, res, ldr,
+                         y.data_ptr(), n)
             return y
+        y = self._library(kernel, x)
+        return y if residual is None else residual + y
+
+    def _library(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
         if kernel == "onednn":
             padded = gemm_rows(m)
             if padded != m:  # see gemm_rows: a few shapes, each compiled once
@@ -134,8 +147,8 @@ class Linear(nn.Module):
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run(self.kernel_for(x.shape[0]), x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.run(self.kernel_for(x.shape[0]), x, residual)
 
 
 def gemm_rows(m: int) -> int:

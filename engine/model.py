@@ -85,7 +85,7 @@ class DecoderLayer(nn.Module):
             qk = qk * cos + rotate_half(qk) * sin
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-        x = residual + self.o_proj(attn.reshape(t, self.q_size))
+        x = self.o_proj(attn.reshape(t, self.q_size), residual=residual)
         residual = x
         gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
         width = gate_up.shape[1] // 2
@@ -94,7 +94,7 @@ class DecoderLayer(nn.Module):
             native.silu_mul(gate_up.data_ptr(), gate_up.stride(0), t, width, act.data_ptr(), width)
         else:
             act = self.act(gate_up[:, :width]) * gate_up[:, width:]
-        return residual + self.down_proj(act)
+        return self.down_proj(act, residual=residual)
 
 
 def _native(x: torch.Tensor):

@@ -21,10 +21,10 @@ class SlowOn(Linear):
         torch.nn.init.normal_(self.weight_t)
         self.slow = slow
 
-    def run(self, kernel: str, x: torch.Tensor) -> torch.Tensor:
+    def run(self, kernel: str, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if kernel == self.slow:
             time.sleep(0.001)
-        return super().run(kernel, x)
+        return super().run(kernel, x, residual)
 
 
 def test_pick_prefers_the_cheaper_call_within_the_margin():

@@ -19,6 +19,7 @@ from engine.attention import (
     _native_prefill,
     native_decode_available,
     native_prefill_available,
+    write_kv,
 )
 from engine.kernels import paged_decode, prefill_attention
 
@@ -63,6 +64,46 @@ def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size, window):
         got = _native_decode(q[sub], k_cache, v_cache, group, window)
         want = _reference(q[sub], k_cache, v_cache, tables[sub], lens[sub], window)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(paged_decode() is None, reason="no C compiler: the kernel is not built here")
+def test_decode_kernel_reads_q_from_the_projection():
+    """q as the model hands it over at a decode step: a view into the fused QKV projection, rows
+    (heads + 2 x kv_heads) x dim apart, read in place (no copy): the same output as from a
+    contiguous copy, bit for bit."""
+    heads, kv_heads, dim, block_size = 8, 4, 64, 16
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(40, 2, 2, block_size, kv_heads, dim, generator=g)
+    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    lens = torch.tensor([3, 17, 40, 64, 9], dtype=torch.long)
+    tables = torch.stack([torch.randperm(40, generator=g)[:4] for _ in lens])
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=g)
+    q = qkv[:, :heads * dim].view(len(lens), heads, dim)
+    assert not q.is_contiguous()
+    group = DecodeGroup(rows=torch.arange(len(lens)), block_tables=tables, context_lens=lens, max_len=64)
+    got = _native_decode(q, k_cache, v_cache, group, None)
+    torch.testing.assert_close(got, _native_decode(q.contiguous(), k_cache, v_cache, group, None), rtol=0, atol=0)
+    torch.testing.assert_close(got, _reference(q, k_cache, v_cache, tables, lens, None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 700])
+def test_kv_writes_land_in_their_slots(tokens):
+    """The step's K and V rows (views into the QKV projection) go to their (block, offset) slots
+    of the per-layer pool views, natively where it can, as index_put would put them; nothing else
+    in the pool changes."""
+    heads, kv_heads, dim, block_size, num_blocks = 8, 4, 16, 16, 64
+    g = torch.Generator().manual_seed(tokens)
+    pool = torch.randn(num_blocks, 3, 2, block_size, kv_heads, dim, generator=g)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    blocks, offsets = slots // block_size, slots % block_size
+    want = pool.clone()
+    want[:, 1, 0][blocks, offsets] = k
+    want[:, 1, 1][blocks, offsets] = v
+    write_kv(k, v, pool[:, 1, 0], pool[:, 1, 1], blocks, offsets)
+    assert torch.equal(pool, want)
 
 
 @pytest.mark.skipif(prefill_attention() is None, reason="no C compiler: the kernel is not built here")

@@ -47,3 +47,18 @@ def test_rows_beyond_the_limit_and_small_layers_use_mkl():
         torch.testing.assert_close(lin(x), torch.addmm(lin.bias, x, lin.weight_t))
     small = _linear(64, NATIVE_MIN_WEIGHT // 64 - 1, False, seed=2)  # one element short
     assert not small.pack_panels() and small.panels is None and small.kernel_for(1) == "mkl"
+
+
+@pytest.mark.parametrize("m", [1, 13, 32, 97])
+def test_residual_added_in_the_kernel_rounds_as_the_separate_add(m):
+    """A decoder layer's o_proj and down_proj take the residual into the GEMM's stores: the same
+    bits as adding it after, (x W + b) + residual, on every kernel."""
+    lin = _linear(512, 384, True, seed=m)
+    lin.pack_panels()
+    x, residual = torch.randn(m, 512), torch.randn(m, 384)
+    with torch.inference_mode():
+        for kernel in ("native", "mkl"):
+            got = lin.run(kernel, x, residual)
+            assert torch.equal(got, residual + lin.run(kernel, x)), kernel
+        with pytest.raises(ValueError):
+            lin.run("native", x, residual[:, :100])

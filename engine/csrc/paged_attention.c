@@ -265,7 +265,7 @@ static void task_scalar(const float *qb, const float *k_cache, const float *v_ca
     }
 }
 
-void paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                             int64_t block_stride, int64_t token_stride, int64_t head_stride,
                             const int64_t *tables, int64_t table_stride, const int64_t *lens,
                             int batch, int heads, int kv_heads, int dim, int block_size, int64_t window,
@@ -289,7 +289,7 @@ void paged_decode_attention(const float *q, const float *k_cache, const float *v
         const int kh0 = (int)(task % split) * per_task, kh1 = kh0 + per_task;
         const int64_t len = lens[b];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const float *qb = q + (int64_t)b * heads * dim;
+        const float *qb = q + (int64_t)b * q_stride; /* a row of the qkv projection: no copy of q */
         const int64_t *table = tables + b * table_stride;
         float *ob = out + (int64_t)b * heads * dim;
         /* The block this thread most likely reads after this task: the first of the sequence

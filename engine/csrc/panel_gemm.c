@@ -74,9 +74,11 @@ MICRO(12)
 void panel_gemm_limits(int *panel_width) { *panel_width = NB; }
 
 /* x: m rows of k floats, row stride ldx; panels: ceil(n / NB) panels of k x NB floats;
- * bias: n floats or NULL; y: m rows of n floats, row stride ldy. */
+ * bias: n floats or NULL; res: m rows of n floats (row stride ldr) added last, or NULL (a
+ * decoder layer's residual: (x W + bias) + res rounds as the separate add did, without its pass
+ * over memory); y: m rows of n floats, row stride ldy (may be res itself). */
 void panel_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *panels, int64_t n,
-                const float *bias, float *y, int64_t ldy) {
+                const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy) {
     const int64_t np = (n + NB - 1) / NB;
 #pragma omp parallel
     for (int64_t b0 = 0; b0 < m; b0 += MB_ROWS) {
@@ -112,7 +114,11 @@ void panel_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *
                 }
                 for (int rr = 0; rr < r; ++rr) {
                     float *yr = y + (i0 + rr) * ldy + j0;
-                    for (int64_t c = 0; c < nw; ++c) yr[c] = tile[rr * NB + c] + (bias ? bias[j0 + c] : 0.f);
+                    const float *rs = res ? res + (i0 + rr) * ldr + j0 : NULL;
+                    for (int64_t c = 0; c < nw; ++c) {
+                        const float v = bias ? tile[rr * NB + c] + bias[j0 + c] : tile[rr * NB + c];
+                        yr[c] = rs ? v + rs[c] : v;
+                    }
                 }
             }
         }
