@@ -97,8 +97,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     from engine.kernels import elementwise
 
     fns = elementwise() if k.device.type == "cpu" and k_cache.device.type == "cpu" else None
-    slot_packed = k_cache.stride(3) == 1 and (k_cache.shape[2] == 1 or k_cache.stride(2) == k_cache.shape[3])
-    if (fns is not None and _rows_packed(k) and _rows_packed(v) and slot_packed
+    if (fns is not None and _rows_packed(k) and _rows_packed(v) and _rows_packed(k_cache)
             and k_cache.stride() == v_cache.stride() and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
             and blocks.dtype == offsets.dtype == torch.int64 and blocks.is_contiguous() and offsets.is_contiguous()):
         e = k.element_size()
@@ -231,9 +230,10 @@ def _native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: i
 
 
 def _rows_packed(x: torch.Tensor) -> bool:
-    """Whether each token's heads lie packed in one row ([T, H, D] with unit stride in D and D
-    between heads); the row stride itself may be anything."""
-    return x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
+    """Whether each token's heads lie packed in one row (the last two dims, [..., H, D], with unit
+    stride in D and D between heads: [T, H, D] activations, or a pool's [blocks, slots, H, D]);
+    the strides before them may be anything."""
+    return x.stride(-1) == 1 and (x.shape[-2] == 1 or x.stride(-2) == x.shape[-1])
 
 
 def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: DecodeGroup,
