@@ -21,6 +21,7 @@ from pdcommon.convert import first_token_to_proto, params_from_proto, tokens_to_
 from pdcommon.engine_loop import DirectStream
 from pdcommon.grpc_server import add_service
 from pdcommon.priority import lower_thread_priority
+from pdcommon.token_stream import FIRST
 from pdcommon.v1 import worker_pb2 as wpb
 from pdcommon.v1 import worker_pb2_grpc as wrpc
 from pdcommon.worker_runtime import WorkerRuntime
@@ -207,14 +208,21 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         try:
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=True, num_held_blocks=held,
                                                                  free_blocks=self._free_blocks()))
-            first = self._first_local(rid, q) if local else \
-                self._first_imported(rid, request, context, q, direct is not None)
-            async for msg in first:
-                yield msg
-                finished = msg.HasField("tokens") and bool(msg.tokens.finish_reason) \
-                    or msg.HasField("first") and bool(msg.first.finish_reason)
+            # Prefilled here with tokens direct: the engine thread sends the first token, or it
+            # comes below (at FIRST) when it cannot.
+            if not (local and direct is not None):
+                first = self._first_local(rid, q) if local else \
+                    self._first_imported(rid, request, context, q, direct is not None)
+                async for msg in first:
+                    yield msg
+                    finished = msg.HasField("tokens") and bool(msg.tokens.finish_reason) \
+                        or msg.HasField("first") and bool(msg.first.finish_reason)
             while not finished:
                 out, index = await loop.next(q)
+                if index == FIRST:  # a first token that could not go direct: it ends the stream, say
+                    finished = out.finished
+                    yield wpb.DecodeResponse(first=first_token_to_proto(out, out.prefill_s))
+                    continue
                 outs = [out]
                 # The engine got ahead: send what is ready in one message (a direct stream's items
                 # here are not consecutive: each keeps its own index).

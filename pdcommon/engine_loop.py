@@ -24,7 +24,7 @@ from typing import Any
 
 from engine import LLMEngine, RequestOutput
 from pdcommon.grpc_server import ServiceUnavailable
-from pdcommon.token_stream import TokenChunk, TokenPusher, pack
+from pdcommon.token_stream import FIRST, TokenChunk, TokenPusher, pack
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class DirectStream:
     request_id: str  # the id the router knows the stream by
     attempt: int
     key: bytes
-    count_first: bool  # the first output is token 0 of the stream (False: it is sent apart, as FirstToken)
+    count_first: bool  # the first output is token 0 of the stream (False: its FirstToken, at index FIRST)
     started: bool = False
     next_index: int = 0
 
@@ -170,24 +170,25 @@ class EngineLoop:
             if d is None:
                 to_loop.append((out, None))
                 continue
-            index = d.next_index
-            if not d.started:
-                d.started = True
-                if not d.count_first:  # prefilled here: the first output is the call's FirstToken
-                    to_loop.append((out, index))
-                    continue
-                # Imported KV: the transfer's figures went ahead on the call (DecodeService), and
-                # this first decoded token leaves from here, as the ones after it: through the
-                # event loop, which the next step's threads then compete with, it reached the
-                # client 1.9 ms after its step (median; up to 5), against 0.3 ms from here.
-            d.next_index += len(out.new_token_ids)
+            # Every output leaves from here, the first one too (the prompt's first token when it
+            # was prefilled here, at index FIRST; imported KV's first decoded token, whose
+            # transfer figures went ahead on the call): through the event loop, which the next
+            # step's threads then compete with, a token reached the client 1.9 ms after its
+            # step (median; up to 5), against 0.3 ms from here.
+            first_here = not d.started and not d.count_first
+            d.started = True
+            index = FIRST if first_here else d.next_index
+            if not first_here:
+                d.next_index += len(out.new_token_ids)
             # The last output ends the gRPC stream; top logprobs have no place in a token message.
             if out.finished or any(out.new_top_logprobs):
                 to_loop.append((out, index))
                 continue
+            chunk = TokenChunk(index, out.new_token_ids, out.text_delta, out.new_logprobs)
+            if first_here:
+                chunk.prefill_s, chunk.cached_tokens = out.prefill_s, out.num_cached_tokens
             frames, outs = batches.setdefault(d.endpoint, ([], []))
-            frames += pack(d.request_id, d.attempt, d.key, TokenChunk(index, out.new_token_ids, out.text_delta,
-                                                                      out.new_logprobs))
+            frames += pack(d.request_id, d.attempt, d.key, chunk)
             outs.append((out, index))
         # One message per router and step, whatever the number of streams.
         for endpoint, (frames, outs) in batches.items():

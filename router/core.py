@@ -23,7 +23,7 @@ from pdcommon.config import ClusterConfig
 from pdcommon.convert import layout_from_proto, params_to_proto
 from pdcommon.grpc_server import message_options
 from pdcommon.security import ClusterIdentity
-from pdcommon.token_stream import InOrder
+from pdcommon.token_stream import FIRST, InOrder, TokenChunk
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.admission import Admission, Lease
@@ -164,6 +164,10 @@ class RouterCore:
         if lease is not None:
             st.decode_worker = lease.worker.worker_id
         try:
+            if local and lease.tokens is not None:
+                async for msg in self._local_direct(st, lease):
+                    yield msg
+                return
             first = await (self._first_local(st, lease) if local else self._prefill(st, lease))
             yield first
             if first.finish_reason or lease is None:  # max_tokens 1: the first token always finishes
@@ -236,13 +240,29 @@ class RouterCore:
     async def _first_local(self, st: RequestState, lease: Lease) -> pb.GenerateResponse:
         """The worker holding the lease computes the next token itself (colocated, or a short
         prompt prefilled by its decode worker)."""
-        st.prefill_worker = lease.worker.worker_id
-        self.policy.record(st.prefix, lease.worker.worker_id, lease.worker.worker_id)
+        self._record_local(st, lease)
         msg = await self._read(st, lease.call, lease.worker)
         if msg is grpc.aio.EOF or not msg.HasField("first"):
             raise RetryAttempt(f"worker {lease.worker.worker_id} sent no first token", "colocated",
                                lease.worker.worker_id)
         return self._first_token(st, msg.first)
+
+    def _record_local(self, st: RequestState, lease: Lease) -> None:
+        st.prefill_worker = lease.worker.worker_id
+        self.policy.record(st.prefix, lease.worker.worker_id, lease.worker.worker_id)
+
+    async def _local_direct(self, st: RequestState, lease: Lease):
+        """As _first_local then _relay, with tokens direct: the first one comes on either channel
+        (the worker's engine thread sends it direct unless it ends the stream), at index FIRST."""
+        self._record_local(st, lease)
+        async with aclosing(self._direct_chunks(st, lease, start=FIRST)) as chunks:
+            tok = await anext(chunks)
+            first = self._first_token(st, first_token(tok))
+            yield first
+            if first.finish_reason:
+                return
+            async for msg in self._relayed(st, chunks):
+                yield msg
 
     def _first_token(self, st: RequestState, ft: wpb.FirstToken) -> pb.GenerateResponse:
         """The token a prefill computed: the request's first, or the next one after a resume."""
@@ -263,23 +283,28 @@ class RouterCore:
         return self._finish(msg, st, ft.finish_reason) if ft.finish_reason else msg
 
     async def _relay(self, st: RequestState, lease: Lease):
-        first = True
         chunks = self._direct_chunks(st, lease) if lease.tokens is not None else self._call_chunks(st, lease)
         async with aclosing(chunks):
-            async for tok in chunks:
-                if first:
-                    self._release_prefill(st)  # the KV landed: the prefill worker's fate no longer matters
-                    first = False
-                self._kv_figures(st, tok)
-                self._tokens(st, len(tok.token_ids))
-                st.sent_ids.extend(tok.token_ids)
-                out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
-                                          logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
-                if tok.finish_reason:
-                    st.decode_batch = tok.decode_batch
-                    yield self._finish(out, st, tok.finish_reason)
-                    return
-                yield out
+            async for msg in self._relayed(st, chunks):
+                yield msg
+
+    async def _relayed(self, st: RequestState, chunks):
+        """The decoded tokens after the first, to the client."""
+        first = True
+        async for tok in chunks:
+            if first:
+                self._release_prefill(st)  # the KV landed: the prefill worker's fate no longer matters
+                first = False
+            self._kv_figures(st, tok)
+            self._tokens(st, len(tok.token_ids))
+            st.sent_ids.extend(tok.token_ids)
+            out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
+                                      logprobs=tok.logprobs, top_logprobs=tok.top_logprobs)
+            if tok.finish_reason:
+                st.decode_batch = tok.decode_batch
+                yield self._finish(out, st, tok.finish_reason)
+                return
+            yield out
 
     @staticmethod
     def _kv_figures(st: RequestState, tok) -> None:
@@ -299,15 +324,21 @@ class RouterCore:
             first = False
             yield msg.tokens
 
-    async def _direct_chunks(self, st: RequestState, lease: Lease):
-        """Tokens from two channels, put back in order: the middle ones from the worker's engine
-        thread (pdcommon/token_stream.py), the first, the last and any error on the call."""
+    async def _direct_chunks(self, st: RequestState, lease: Lease, start: int = 0):
+        """Tokens from two channels, put back in order: those the worker's engine thread sends
+        (pdcommon/token_stream.py), and on the call the last, any error, and any the engine
+        thread could not send. `start`: the first index (FIRST: a first token prefilled there)."""
         q, stall = lease.tokens, self.cfg.router.stall_timeout_s
 
         async def read_call() -> None:
             try:
                 while True:
                     msg = await self._read(st, lease.call, lease.worker)
+                    if msg is not grpc.aio.EOF and msg.HasField("first"):
+                        q.put_nowait(first_chunk(msg.first))
+                        if msg.first.finish_reason:
+                            return
+                        continue
                     if msg is not grpc.aio.EOF and not msg.tokens.token_ids and not msg.tokens.finish_reason:
                         # The KV's figures, ahead of the first token, which comes on the other
                         # channel: not a chunk of the stream (an empty one would end it).
@@ -323,13 +354,16 @@ class RouterCore:
 
         pump = asyncio.create_task(read_call())
         try:
-            order, first = InOrder(), True
+            order, first = InOrder(start), True
             while True:
                 async with asyncio.timeout(None if first else stall):
                     item = await q.get()
                 first = False
                 if isinstance(item, Exception):
                     raise item
+                if item is grpc.aio.EOF and order.expected == FIRST:  # no first token: as _first_local
+                    raise RetryAttempt(f"worker {lease.worker.worker_id} sent no first token", "colocated",
+                                       lease.worker.worker_id)
                 if item is grpc.aio.EOF:
                     raise self._no_finish(lease.worker)
                 for tok in order.push(item):
@@ -421,3 +455,17 @@ def slo_met(slo: pb.SloTargets | None, ttft: float, tpot: float) -> bool | None:
         return None
     return (not slo.HasField("ttft_ms") or ttft * 1e3 <= slo.ttft_ms) and \
            (not slo.HasField("tpot_ms") or tpot * 1e3 <= slo.tpot_ms)
+
+
+def first_chunk(ft: wpb.FirstToken) -> TokenChunk:
+    """A FirstToken from the call, as the chunk at FIRST the engine thread would have sent."""
+    return TokenChunk(FIRST, [ft.token_id], ft.text, [ft.logprob], finish_reason=ft.finish_reason,
+                      top_logprobs=(ft.top_logprobs,) if ft.HasField("top_logprobs") else (),
+                      prefill_s=ft.prefill_s, cached_tokens=ft.cached_tokens)
+
+
+def first_token(tok: TokenChunk) -> wpb.FirstToken:
+    """The chunk at FIRST as the FirstToken the rest of the request path reads."""
+    return wpb.FirstToken(token_id=tok.token_ids[0], logprob=tok.logprobs[0], text=tok.text,
+                          top_logprobs=tok.top_logprobs[0] if tok.top_logprobs else None,
+                          finish_reason=tok.finish_reason, cached_tokens=tok.cached_tokens, prefill_s=tok.prefill_s)

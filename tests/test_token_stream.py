@@ -174,6 +174,32 @@ def test_the_first_decoded_token_comes_direct_and_the_transfer_figures_still_rea
         cl.wait_idle()
 
 
+def test_a_first_token_prefilled_where_it_decodes_comes_direct_with_its_figures(stories_path, story):
+    """Colocated: the prompt's first token leaves from the engine thread too (on the event loop it
+    waited behind the next step), with the prefill's figures; a first token that ends the stream
+    or carries top logprobs still comes on the call. The same tokens as the engine alone."""
+    prompt = story[:40]  # two full blocks: the second request hits the prefix cache
+    ref = LLMEngine(EngineConfig(model=stories_path)).generate(
+        [prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]["token_ids"]
+    cfg = make_config(stories_path, **{"mode": "colocated", "colocated.replicas": 1})
+    with InProcessCluster(cfg) as cl, cl.client() as c:
+        inbox = cl.router.tokens
+        c.generate(make_request("Once upon a time", max_tokens=8, ignore_eos=True))  # the pusher connects
+        for k in range(2):
+            before = inbox.received
+            out = c.generate(make_request(prompt, max_tokens=3, ignore_eos=True))
+            assert out.token_ids == ref and out.finish_reason == "length"
+            assert inbox.received - before == 2, "the first token did not come direct (the last rides the call)"
+            assert out.timings["prefill"] > 0 and out.usage["cached_tokens"] == (0 if k == 0 else 32)
+        before = inbox.received
+        one = c.generate(make_request(prompt, max_tokens=1))  # ends the stream: on the call
+        tops = c.generate(make_request(prompt, max_tokens=3, ignore_eos=True, logprobs=2))
+        assert one.token_ids == ref[:1] and one.finish_reason == "length"
+        assert tops.token_ids == ref and len(tops.logprobs) == 3
+        assert inbox.received == before, "a first token that ends the stream or has top logprobs came direct"
+        cl.wait_idle()
+
+
 def test_one_message_per_step_carries_several_streams_each_checked_on_its_own():
     async def run() -> tuple[list, list, int, int]:
         inbox = TokenInbox("127.0.0.1", 0)
