@@ -242,7 +242,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                 loop.call(eng.abort_request, rid, False)
 
     def _direct(self, request: wpb.DecodeRequest) -> DirectStream | None:
-        """Where this stream's middle tokens go, when the router asked for its token port."""
+        """Where this stream's tokens go (all but the last), when the router asked for its token port."""
         if not request.token_port or len(request.token_key) < 16:
             return None
         host = self.rt.router_address.rsplit(":", 1)[0]  # the router as this worker reaches it

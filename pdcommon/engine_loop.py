@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class DirectStream:
-    """Where a stream's middle outputs go: the router's token endpoint, under this key."""
+    """Where a stream's outputs go (all but the last): the router's token endpoint, under this key."""
 
     endpoint: str
     request_id: str  # the id the router knows the stream by
@@ -161,8 +161,8 @@ class EngineLoop:
             self._direct.pop(request_id, None)
 
     def _route(self, outputs: list[RequestOutput]) -> list[StreamItem]:
-        """Engine thread: send direct streams' middle outputs to the router; the rest, with
-        their stream index, go to the event loop."""
+        """Engine thread: send direct streams' outputs to the router; the last, any with top
+        logprobs and any the socket refuses go to the event loop, with their stream index."""
         to_loop: list[StreamItem] = []
         batches: dict[str, tuple[list[bytes], list[StreamItem]]] = {}
         for out in outputs:
