@@ -219,7 +219,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                         or msg.HasField("first") and bool(msg.first.finish_reason)
             while not finished:
                 out, index = await loop.next(q)
-                if index == FIRST:  # a first token that could not go direct: it ends the stream, say
+                if index == FIRST:  # the first token, where it could not go direct (it ends the stream, say)
                     finished = out.finished
                     yield wpb.DecodeResponse(first=first_token_to_proto(out, out.prefill_s))
                     continue
