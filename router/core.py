@@ -243,8 +243,7 @@ class RouterCore:
         self._record_local(st, lease)
         msg = await self._read(st, lease.call, lease.worker)
         if msg is grpc.aio.EOF or not msg.HasField("first"):
-            raise RetryAttempt(f"worker {lease.worker.worker_id} sent no first token", "colocated",
-                               lease.worker.worker_id)
+            raise self._no_first(lease.worker)
         return self._first_token(st, msg.first)
 
     def _record_local(self, st: RequestState, lease: Lease) -> None:
@@ -361,9 +360,8 @@ class RouterCore:
                 first = False
                 if isinstance(item, Exception):
                     raise item
-                if item is grpc.aio.EOF and order.expected == FIRST:  # no first token: as _first_local
-                    raise RetryAttempt(f"worker {lease.worker.worker_id} sent no first token", "colocated",
-                                       lease.worker.worker_id)
+                if item is grpc.aio.EOF and order.expected == FIRST:
+                    raise self._no_first(lease.worker)
                 if item is grpc.aio.EOF:
                     raise self._no_finish(lease.worker)
                 for tok in order.push(item):
@@ -407,6 +405,11 @@ class RouterCore:
         self.members.drop(worker.worker_id, f"stalled: no token for {stall_s:.1f}s")
         return RetryAttempt(f"{worker.role} worker {worker.worker_id} stalled (no token for {stall_s:.1f}s)",
                             worker.role, worker.worker_id)
+
+    @staticmethod
+    def _no_first(worker: WorkerRecord) -> RetryAttempt:
+        """A worker prefilling locally ended its stream before its first token: another may not."""
+        return RetryAttempt(f"worker {worker.worker_id} sent no first token", "colocated", worker.worker_id)
 
     @staticmethod
     def _no_finish(worker: WorkerRecord) -> RequestFailed:
