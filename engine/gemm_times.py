@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import CSRC, cache_dir, cpu_description
+from engine.kernels import CSRC, FLAGS, cache_dir, cpu_description
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ Times = dict[str, dict[int, dict[str, float]]]  # shape -> rows -> kernel -> sec
 def times_path(shapes: list[str], limits: list[int], method: tuple) -> Path:
     """The file for these measured layers (shape names in probe order), their row limits and
     how they are measured (row counts, ...), on this host, torch build and thread count."""
-    sources = [(CSRC / "panel_gemm.c").read_text()]  # the one kernel timed here (MKL and oneDNN: torch's version)
+    # The one kernel timed here (MKL and oneDNN: torch's version), and how it was compiled.
+    sources = [(CSRC / "panel_gemm.c").read_text(), *FLAGS]
     key = hashlib.sha256("\0".join([cpu_description(), torch.__version__, str(torch.get_num_threads()), *sources,
                                     repr(shapes), repr(limits), repr(method)]).encode()).hexdigest()[:16]
     return cache_dir() / f"gemm-times-{key}.json"

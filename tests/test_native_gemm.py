@@ -29,9 +29,10 @@ def test_panel_gemm_matches_mkl(k, n, bias):
     assert lin.pack_panels() and lin.kernel_for(1) == lin.kernel_for(NATIVE_MAX_ROWS) == "native"
     assert lin.kernel_for(NATIVE_MAX_ROWS + 1) == "mkl"
     with torch.inference_mode():
-        # 1-13: every tile height (6 rows a tile with AVX2, 12 with AVX-512) and one past; 95-97,
+        # 1-13: every tile height (6 rows a tile with AVX2, 12 with AVX-512) and one past; 25, 32, 35:
+        # three tiles, the last a short one (a batch-32 decode step); 95-97,
         # 193: either side of the kernel's 96-row blocks; 300: several blocks and a short one
-        for m in (*range(1, 14), 17, 95, 96, 97, 193, 300, NATIVE_MAX_ROWS):
+        for m in (*range(1, 14), 17, 25, 32, 35, 95, 96, 97, 193, 300, NATIVE_MAX_ROWS):
             for x in (torch.randn(m, k), torch.randn(m, k + 9)[:, 4:4 + k]):  # dense rows, then strided
                 want = torch.addmm(lin.bias, x, lin.weight_t) if bias else x @ lin.weight_t
                 got = lin(x)
