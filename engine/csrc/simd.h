@@ -27,7 +27,14 @@ static inline vf vmin(vf a, vf b) {
     return (vf)(((vi)a & ~m) | ((vi)b & m));
 }
 
-/* The largest lane, by halving (a chain of VW - 1 dependent compares is a long critical path). */
+/* The largest lane. AVX-512: in registers (on a 2048-token prompt of the 50M model, prefill
+ * attention ran 3-4.5% faster than through the array below, Intel Xeon); the order of a max does
+ * not change its result. Else by halving (a chain of VW - 1 dependent compares is a long
+ * critical path). */
+#if VW == 16
+#include <immintrin.h>
+static inline float hmax(vf v) { return _mm512_reduce_max_ps((__m512)v); }
+#else
 static inline float hmax(vf v) {
     float a[VW];
     memcpy(a, &v, sizeof a);
@@ -35,6 +42,7 @@ static inline float hmax(vf v) {
         for (int i = 0; i < w; ++i) a[i] = a[i] > a[i + w] ? a[i] : a[i + w];
     return a[0];
 }
+#endif
 
 static inline float hsum(vf v) {
     float a[VW];
