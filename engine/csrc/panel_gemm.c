@@ -14,7 +14,8 @@
  * AVX-512 once ran the AVX2 shape, one vector per row: six accumulators, fewer than the FMA
  * units' latency needs in flight, and the kernel reached ~60% of MKL's rate at any row count
  * (Intel Xeon, model 207); at 12 x 32 it ran the 50M model's body layers at 0.97-1.56x the
- * better library's rate at 8-32 rows, and at 70-85% of it on 2048-row prompts. Panels are split
+ * better library's rate at 8-32 rows, and at 70-85% of it on 2048-row prompts. The omp simd
+ * loops below must be vectorized 512 bits wide for that (engine/kernels.py FLAGS). Panels are split
  * across torch's OpenMP team (the library shares torch's runtime, see engine/kernels.py). The
  * last panel is zero-padded, so a width that is not a multiple of NB costs only the padding.
  *
