@@ -32,8 +32,9 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 # vectorizes loops 256 bits wide unless told otherwise, so the panel GEMM's 32-float rows took
 # four registers each, not two, and tiles of 9-12 rows spilled their accumulators: 85-100
 # GFLOP/s at 9-64 rows against 190-220 at 8 (Intel Xeon, 2 cores), and a batch-32 decode step
-# of the 50M model ran its layers on oneDNN instead. With it: 280-310 GFLOP/s at 12-64 rows. It
-# changes nothing where AVX-512 is absent or already preferred (AMD Zen 4).
+# of the 50M model ran its layers on oneDNN instead. With it: 280-310 GFLOP/s at 12-64 rows.
+# Without AVX-512 it changes nothing; on the AMD EPYC (Zen 4) hosts of earlier sessions these
+# tiles already ran at the full rate.
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast",
          "-mprefer-vector-width=512",
          "-std=c11"]
