@@ -63,7 +63,8 @@ def _draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
     generator (so a seeded request draws the same whatever shares its batch), and the softmax,
     cumulative sum and search run over all rows at once. torch.multinomial drew an exponential
     per vocabulary entry instead: ~0.7 ms a row of 32000, 22 ms of sampling in a 32-sequence
-    decode step of ~20 ms (Intel Xeon, 2 cores); this takes ~1.5 ms."""
+    decode step of ~20 ms (Intel Xeon, 2 cores); this takes 0.16 ms for one row and ~7 ms for 32,
+    mostly passes over the [rows, vocab] arrays."""
     vocab = logits.shape[-1]
     temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=logits.device)
     scaled = logits[rows].div_(temps[:, None])  # logits[rows] is a copy: divided in place
