@@ -69,9 +69,10 @@ def _draw(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
     temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=logits.device)
     scaled = logits[rows].div_(temps[:, None])  # logits[rows] is a copy: divided in place
     for j, i in enumerate(rows):
-        p = params[i]
-        if 0 < p.top_k < vocab or p.top_p < 1.0:
-            scaled[j] = _filter_top_k_top_p(scaled[j], p.top_k, p.top_p)
+        row = scaled[j]
+        filtered = _filter_top_k_top_p(row, params[i].top_k, params[i].top_p)
+        if filtered is not row:  # the filter returns its input when neither top-k nor top-p applies
+            scaled[j] = filtered
     # float64 sums: a float32 running sum over 32000 entries drifts by ~1e-4, as much as many
     # tokens' whole probability.
     cdf = torch.softmax(scaled, dim=-1).double().cumsum(dim=-1)

@@ -57,7 +57,7 @@ def test_draws_follow_the_tempered_distribution_and_skip_filtered_tokens():
     counts = torch.zeros(64)
     for b in range(750):
         gens = [torch.Generator().manual_seed(1000 * b + i) for i in range(32)]
-        tokens, logprobs, _ = sample(logits.repeat(32, 1), [p] * 32, gens)
+        tokens, _, _ = sample(logits.repeat(32, 1), [p] * 32, gens)
         counts += torch.bincount(torch.tensor(tokens), minlength=64)
     n = counts.sum()
     assert counts[6:].sum() == 0

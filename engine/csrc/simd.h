@@ -9,6 +9,7 @@
 #include <string.h>
 
 #if defined(__AVX512F__)
+#include <immintrin.h>
 #define VW 16
 #else
 #define VW 8
@@ -32,7 +33,6 @@ static inline vf vmin(vf a, vf b) {
  * not change its result. Else by halving (a chain of VW - 1 dependent compares is a long
  * critical path). */
 #if VW == 16
-#include <immintrin.h>
 static inline float hmax(vf v) { return _mm512_reduce_max_ps((__m512)v); }
 #else
 static inline float hmax(vf v) {
@@ -57,7 +57,6 @@ static inline float hsum(vf v) {
  * gives ~1e-38, nothing next to a softmax row maximum's 1): x = j + f with j = round(x) and
  * |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error ~1e-7), times 2^j. */
 #if VW == 16
-#include <immintrin.h>
 /* AVX-512 rounds and scales by 2^j in one instruction each (vrndscaleps, vscalefps): the prompt
  * attention kernel ran 3% faster than with the portable version below. */
 static inline vf vexp2(vf x) {
