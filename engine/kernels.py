@@ -1,9 +1,9 @@
 """Native kernels: C sources in engine/csrc, compiled on first use with the system's C compiler
 and cached by content (the headers beside them included), compiler and CPU. They are an
 optimization, never a requirement: where no compiler is found or a build fails, `paged_decode`,
-`prefill_attention`, `panel_gemm`, `elementwise`, `rms_norm` and `stream_copy` are None and the
-engine uses torch ops (attention, RMSNorm, activations, rotary embeddings), MKL or oneDNN (linear
-layers) and memcpy (landing KV).
+`prefill_attention`, `panel_gemm`, `elementwise`, `rms_norm`, `sample_rows` and `stream_copy` are
+None and the engine uses torch ops (attention, RMSNorm, activations, rotary embeddings, sampling),
+MKL or oneDNN (linear layers) and memcpy (landing KV).
 
 The shared object links OpenMP by soname (libgomp.so.1). torch has loaded its own copy under
 that name by the time this runs, so the kernel joins torch's thread team instead of starting a
@@ -184,6 +184,13 @@ def rms_norm():
     """The C function rms_norm_rows (csrc/rms_norm.c) with its argument types, or None."""
     return _function("rms_norm.c", "rms_norm_rows", [_PTR, _I64, _PTR, _I64, _I64, _F32, _PTR, _I64],
                      "RMSNorm uses torch ops")[0]
+
+
+@functools.cache
+def sample_rows():
+    """The C function sample_rows (csrc/sampling.c) with its argument types, or None."""
+    return _function("sampling.c", "sample_rows", [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],
+                     "random sampling uses torch ops (a sort per top-p row)")[0]
 
 
 @functools.cache
