@@ -31,6 +31,45 @@ static inline float key_value(uint32_t k) {
     return f;
 }
 
+typedef uint32_t vu __attribute__((vector_size(VW * 4), aligned(4)));
+
+/* order_key lane by lane: -0 + 0 is +0, and a negative's arithmetic shift is all ones. */
+static inline vu order_keys(vf v) {
+    const vi b = (vi)(v + 0.f);
+    return (vu)(b ^ ((b >> 31) | ((vi){} + INT32_MIN)));
+}
+
+static inline int any_lane(vi m) {
+    uint64_t a[VW / 2], acc = 0;
+    memcpy(a, &m, sizeof a);
+    for (int j = 0; j < VW / 2; ++j) acc |= a[j];
+    return acc != 0;
+}
+
+/* Adds w[i] (1 when w is NULL) to hist[digit of y[i]'s key] for the y[i] whose key has the digits
+ * chosen so far (prefix, under the mask `fixed`) and whose weight is positive. Past the first
+ * digit few values qualify, and whole vectors without one are skipped. */
+static void histogram(const float *y, const float *w, int64_t n, uint32_t prefix, uint32_t fixed, int shift,
+                      uint32_t mask, double *hist) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vu k = order_keys(*(const vf *)(y + i));
+        vi hit = (vi)((k & fixed) == prefix);
+        if (w) hit &= (vi)(*(const vf *)(w + i) > 0.f);
+        if (!any_lane(hit)) continue;
+        uint32_t ks[VW];
+        int32_t hs[VW];
+        memcpy(ks, &k, sizeof ks);
+        memcpy(hs, &hit, sizeof hs);
+        for (int j = 0; j < VW; ++j)
+            if (hs[j]) hist[(ks[j] >> shift) & mask] += w ? (double)w[i + j] : 1.0;
+    }
+    for (; i < n; ++i) {
+        const uint32_t k = order_key(y[i]);
+        if ((k & fixed) == prefix && (!w || w[i] > 0.f)) hist[(k >> shift) & mask] += w ? (double)w[i] : 1.0;
+    }
+}
+
 /* The largest value v of y such that the weight of y's values >= v reaches `target`: weight w[i]
  * (entries of weight 0 never chosen), or 1 each when w is NULL. Should the whole weight fall
  * short of the target (rounding), the smallest weighted value: everything is kept. Three
@@ -41,12 +80,9 @@ static float select_cut(const float *y, const float *w, int64_t n, double target
     uint32_t prefix = 0, fixed = 0; /* the digits chosen so far, and the mask of their bits */
     for (int level = 0; level < 3; ++level) {
         const int shift = shifts[level], nb = 1 << bits[level];
+        const uint32_t mask = (uint32_t)(nb - 1);
         memset(hist, 0, sizeof(double) * (size_t)nb);
-        for (int64_t i = 0; i < n; ++i) {
-            const uint32_t k = order_key(y[i]);
-            if ((k & fixed) != prefix || (w && !(w[i] > 0.f))) continue;
-            hist[(k >> shift) & (uint32_t)(nb - 1)] += w ? (double)w[i] : 1.0;
-        }
+        histogram(y, w, n, prefix, fixed, shift, mask, hist);
         int digit = -1, lowest = -1;
         double above = 0.0;
         for (int d = nb - 1; d >= 0; --d) {
@@ -58,13 +94,13 @@ static float select_cut(const float *y, const float *w, int64_t n, double target
             }
             above += hist[d];
         }
-        if (digit < 0) { /* short of the target: keep the whole bucket */
+        if (lowest < 0) return -INFINITY; /* nothing weighted at all */
+        if (digit < 0) { /* short of the target (rounding): keep the whole lowest bucket */
             digit = lowest;
             above -= hist[lowest];
         }
-        if (digit < 0) return -INFINITY; /* nothing weighted at all */
         prefix |= (uint32_t)digit << shift;
-        fixed |= (uint32_t)(nb - 1) << shift;
+        fixed |= mask << shift;
         target -= above;
     }
     return key_value(prefix);
