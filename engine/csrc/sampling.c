@@ -47,15 +47,15 @@ static inline int any_lane(vi m) {
 }
 
 /* Adds w[i] (1 when w is NULL) to hist[digit of y[i]'s key] for the y[i] whose key has the digits
- * chosen so far (prefix, under the mask `fixed`) and whose weight is positive. Past the first
- * digit few values qualify, and whole vectors without one are skipped. */
-static void histogram(const float *y, const float *w, int64_t n, uint32_t prefix, uint32_t fixed, int shift,
-                      uint32_t mask, double *hist) {
+ * chosen so far (prefix, under the mask `fixed`) and whose weight is at least w_min (> 0). Past the
+ * first digit few values qualify, and whole vectors without one are skipped. */
+static void histogram(const float *y, const float *w, float w_min, int64_t n, uint32_t prefix, uint32_t fixed,
+                      int shift, uint32_t mask, double *hist) {
     int64_t i = 0;
     for (; i + VW <= n; i += VW) {
         const vu k = order_keys(*(const vf *)(y + i));
         vi hit = (vi)((k & fixed) == prefix);
-        if (w) hit &= (vi)(*(const vf *)(w + i) > 0.f);
+        if (w) hit &= (vi)(*(const vf *)(w + i) >= w_min);
         if (!any_lane(hit)) continue;
         uint32_t ks[VW];
         int32_t hs[VW];
@@ -66,23 +66,28 @@ static void histogram(const float *y, const float *w, int64_t n, uint32_t prefix
     }
     for (; i < n; ++i) {
         const uint32_t k = order_key(y[i]);
-        if ((k & fixed) == prefix && (!w || w[i] > 0.f)) hist[(k >> shift) & mask] += w ? (double)w[i] : 1.0;
+        if ((k & fixed) == prefix && (!w || w[i] >= w_min)) hist[(k >> shift) & mask] += w ? (double)w[i] : 1.0;
     }
 }
 
 /* The largest value v of y such that the weight of y's values >= v reaches `target`: weight w[i]
  * (entries of weight 0 never chosen), or 1 each when w is NULL. Should the whole weight fall
  * short of the target (rounding), the smallest weighted value: everything is kept. Three
- * digits of the key, most significant first: 11, 11 and 10 bits. */
-static float select_cut(const float *y, const float *w, int64_t n, double target) {
+ * digits of the key, most significant first: 11, 11 and 10 bits.
+ * Weights: `total` is their sum. Values lighter than half of (total - target) / n are passed
+ * over: all of them together weigh less than total - target, so the values above them already
+ * reach the target and the cut lies above them. A real model's distribution is peaked, and most
+ * of its vocabulary is that light. */
+static float select_cut(const float *y, const float *w, int64_t n, double target, double total) {
     static const int shifts[3] = {21, 10, 0}, bits[3] = {11, 11, 10};
     double hist[2048];
+    const float w_min = fmaxf((float)(0.5 * (total - target) / (double)n), FLT_MIN);
     uint32_t prefix = 0, fixed = 0; /* the digits chosen so far, and the mask of their bits */
     for (int level = 0; level < 3; ++level) {
         const int shift = shifts[level], nb = 1 << bits[level];
         const uint32_t mask = (uint32_t)(nb - 1);
         memset(hist, 0, sizeof(double) * (size_t)nb);
-        histogram(y, w, n, prefix, fixed, shift, mask, hist);
+        histogram(y, w, w_min, n, prefix, fixed, shift, mask, hist);
         int digit = -1, lowest = -1;
         double above = 0.0;
         for (int d = nb - 1; d >= 0; --d) {
@@ -187,9 +192,9 @@ void sample_rows(const float *x, int64_t ldx, const int64_t *rows, int64_t num_r
             continue;
         }
         float cut = -INFINITY;
-        if (top_k[r] > 0 && top_k[r] < cols) cut = select_cut(y, NULL, cols, (double)top_k[r]);
+        if (top_k[r] > 0 && top_k[r] < cols) cut = select_cut(y, NULL, cols, (double)top_k[r], 0.0);
         double z = weigh(y, e, cols, top, cut);
-        if (top_p[r] < 1.f) z = trim(y, e, cols, select_cut(y, e, cols, (double)top_p[r] * z));
+        if (top_p[r] < 1.f) z = trim(y, e, cols, select_cut(y, e, cols, (double)top_p[r] * z, z));
         out[r] = invert(e, cols, u[r] * z);
     }
 }
