@@ -14,6 +14,8 @@ with token-id prompts, so tokenizers do not matter):
   schedule (the last request leaves at num_prompts / rate, then takes the target's unloaded time);
 - SLO attainment at each rate with SLOs of 3x the *first* target's single-request TTFT at 512
   tokens and 3x its single-stream ITL, and the highest rate at which >= 90% of requests meet both.
+Requests are greedy, as `vllm bench serve` sends them, unless --temperature (and --top-p) say
+otherwise: an OpenAI client's default is temperature 1.
 
 Writes bench/out/serve.json and serve.png. Run against running servers:
   .venv/bin/python bench/serve.py --target pdserve=http://127.0.0.1:8000 --target vllm=http://127.0.0.1:8100
@@ -49,7 +51,7 @@ def _turns(names: list[str], i: int) -> list[str]:
     return names if i % 2 == 0 else names[::-1]
 
 
-async def single_paired(urls: dict[str, str], seed: int) -> dict[str, dict]:
+async def single_paired(urls: dict[str, str], seed: int, sampling: dict | None = None) -> dict[str, dict]:
     """Single requests to every target, all of them up: TTFT per prompt length and single-stream
     ITL. Each prompt goes to every target back to back, the order alternating from prompt to
     prompt. This host's speed flips between two levels (2x apart) from second to second, so TTFTs
@@ -74,7 +76,7 @@ async def single_paired(urls: dict[str, str], seed: int) -> dict[str, dict]:
 
         async def one(name: str, tokens: list[int], max_tokens: int) -> Result:
             res = Result(False, len(tokens))
-            await bes[name].run(tokens, max_tokens, res)
+            await bes[name].run(tokens, max_tokens, res, sampling)
             await asyncio.sleep(QUIET_S)
             return res
 
@@ -108,7 +110,7 @@ async def single_paired(urls: dict[str, str], seed: int) -> dict[str, dict]:
 
 
 async def sweep(url: str, rates: list[float], num_prompts: int, slo_ttft_ms: float, slo_tpot_ms: float,
-                seed: int, unloaded_s: float) -> list[dict]:
+                seed: int, unloaded_s: float, sampling: dict | None = None) -> list[dict]:
     """unloaded_s: this target's own time for one 512/64 request alone. The schedule sends the last
     request at num_prompts / rate, so even a server that never queues finishes at that plus one
     request's time: its output rate is `reachable_tok_s`, and keeping up means reaching 95% of it."""
@@ -117,7 +119,7 @@ async def sweep(url: str, rates: list[float], num_prompts: int, slo_ttft_ms: flo
     rows = []
     for i, rate in enumerate(rates):
         # Other prompts at every rate: a server's prefix cache must not serve the second rate's run.
-        report = await run_benchmark(url, Workload(num_prompts, 512, 64, 0.0, 0, seed + 1 + i),
+        report = await run_benchmark(url, Workload(num_prompts, 512, 64, 0.0, 0, seed + 1 + i, **(sampling or {})),
                                      Load(rate, "poisson", None, 2),
                                      "http", slo_ttft_ms, slo_tpot_ms, progress=False)
         s = report["summary"]
@@ -165,10 +167,18 @@ def run_target(name: str, url: str, args, rates: list[float], result: dict) -> d
     slo_ttft, slo_tpot = result["slo_ms"]["ttft"], result["slo_ms"]["tpot"]
     print(f"{name}: rate sweep (SLOs TTFT {slo_ttft:.0f} ms, TPOT {slo_tpot:.1f} ms)", flush=True)
     unloaded = ttft_512 + 63 * t["itl_s"]
-    t["sweep"] = asyncio.run(sweep(url, rates, args.num_prompts, slo_ttft, slo_tpot, args.seed, unloaded))
+    t["sweep"] = asyncio.run(sweep(url, rates, args.num_prompts, slo_ttft, slo_tpot, args.seed, unloaded,
+                                   sampling(args)))
     t["max_rate_kept_up"] = max((r["rate"] for r in t["sweep"] if r["keeps_up"]), default=0.0)
     t["max_rate_90pct_slo"] = max((r["rate"] for r in t["sweep"] if r["slo_attainment"] >= 0.9), default=0.0)
     return t
+
+
+def sampling(args) -> dict | None:
+    """What every request asks for: greedy (None) unless --temperature is given."""
+    if args.temperature == 0 and args.top_p == 1:
+        return None
+    return {"temperature": args.temperature, **({"top_p": args.top_p} if args.top_p < 1 else {})}
 
 
 class Server:
@@ -239,6 +249,9 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(OUT / "serve.json"))
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's temperature (0: greedy, as `vllm bench serve` sends; OpenAI's default is 1)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--start", action="append", default=[],
                     help="NAME=COMMAND: start that target's server (with all the others for the paired single "
                     "requests, alone for its rate sweep) and stop it after")
@@ -246,7 +259,8 @@ def main() -> int:
     targets = dict(t.split("=", 1) for t in args.target)
     starts = dict(t.split("=", 1) for t in args.start)
     rates = [float(r) for r in args.rates.split(",")]
-    result: dict = {"rates": rates, "targets": {}, "started_alone": sorted(starts)}
+    result: dict = {"rates": rates, "targets": {}, "started_alone": sorted(starts),
+                    "sampling": sampling(args) or {"temperature": 0}}
     if starts and set(starts) != set(targets):
         ap.error("with --start, give one for every target (this run starts and stops every server)")
     if starts:
@@ -257,13 +271,13 @@ def main() -> int:
         with contextlib.ExitStack() as stack:
             for name, url in targets.items():
                 stack.enter_context(Server(starts[name], url))
-            result["targets"] = asyncio.run(single_paired(targets, args.seed))
+            result["targets"] = asyncio.run(single_paired(targets, args.seed, sampling(args)))
         for name, url in targets.items():
             with Server(starts[name], url):
                 run_target(name, url, args, rates, result)
     else:  # servers already running: the paired single requests, then every sweep
         print("single requests, paired: " + ", ".join(targets), flush=True)
-        result["targets"] = asyncio.run(single_paired(targets, args.seed))
+        result["targets"] = asyncio.run(single_paired(targets, args.seed, sampling(args)))
         for name, url in targets.items():
             run_target(name, url, args, rates, result)
     names = list(targets)

@@ -245,8 +245,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     stem = json_path.stem + "_" if out.suffix == ".json" else ""
     out = json_path.parent
     out.mkdir(parents=True, exist_ok=True)
-    workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.shared_prefix_len,
-                        args.seed)
+    try:
+        workload = Workload(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                            args.shared_prefix_len, args.seed, args.temperature, args.top_p)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
     rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.request_rate]
     reports = []
     for rate in rates:
@@ -519,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--sweep", default=None, help="comma-separated request rates, e.g. 1,2,4")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as `vllm bench serve` sends")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--out", default="bench/out/serve",
                    help="folder for bench.json and the plots, or a .json path (the plots beside it)")
     p.set_defaults(func=cmd_bench)

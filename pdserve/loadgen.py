@@ -23,12 +23,21 @@ class Workload:
     range_ratio: float = 0.0  # lengths drawn uniformly from [len*(1-r), len*(1+r)]
     shared_prefix_len: int = 0  # every prompt starts with the same prefix of this many tokens
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy (as `vllm bench serve` sends); OpenAI clients default to 1
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
             raise ValueError("num_prompts, input_len and output_len must be >= 1")
         if not 0.0 <= self.range_ratio < 1.0:
             raise ValueError("range_ratio must be in [0, 1)")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError("temperature must be >= 0 and top_p in (0, 1]")
+
+    @property
+    def sampling(self) -> dict[str, float]:
+        """What each request asks for, in the OpenAI API's names."""
+        return {"temperature": self.temperature, **({"top_p": self.top_p} if self.top_p < 1.0 else {})}
 
     def requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
         rng = random.Random(self.seed)
@@ -109,13 +118,14 @@ class GrpcBackend:
         st = await self.stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=30, metadata=self.metadata)
         return st.vocab_size, st.max_model_len
 
-    async def run(self, prompt: list[int], max_tokens: int, res: Result) -> None:
+    async def run(self, prompt: list[int], max_tokens: int, res: Result, sampling: dict | None = None) -> None:
+        """sampling: temperature and top_p (Workload.sampling); greedy when None."""
         from pdcommon.client import make_request
 
         t0 = time.perf_counter()
         last = t0
-        async for msg in self.stub.Generate(make_request(prompt, max_tokens=max_tokens, ignore_eos=True),
-                                            metadata=self.metadata):
+        request = make_request(prompt, max_tokens=max_tokens, ignore_eos=True, **(sampling or {}))
+        async for msg in self.stub.Generate(request, metadata=self.metadata):
             now = time.perf_counter()
             n = len(msg.token_ids)
             if res.output_len == 0:
@@ -147,9 +157,10 @@ class HttpBackend:
         self.model = m["id"]
         return m.get("vocab_size", 0), m["max_model_len"]
 
-    async def run(self, prompt: list[int], max_tokens: int, res: Result) -> None:
+    async def run(self, prompt: list[int], max_tokens: int, res: Result, sampling: dict | None = None) -> None:
+        """sampling: temperature and top_p (Workload.sampling); greedy when None."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-                "temperature": 0, "stream_options": {"include_usage": True}}
+                **(sampling or {"temperature": 0}), "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         last = t0
         chunks = 0
@@ -237,7 +248,7 @@ async def run_benchmark(target: str, workload: Workload, load: Load, backend: st
         if too_long:
             raise ValueError(f"{len(too_long)} requests exceed the model's context length {max_len}")
         for p, m in reqs[: load.warmup]:
-            await be.run(p, min(m, 4), Result(False, len(p)))
+            await be.run(p, min(m, 4), Result(False, len(p)), workload.sampling)
         sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
         results: list[Result] = []
         done = 0
@@ -250,9 +261,9 @@ async def run_benchmark(target: str, workload: Workload, load: Load, backend: st
                 if sem is not None:
                     async with sem:
                         res.start = time.perf_counter() - t_begin
-                        await be.run(prompt, max_tokens, res)
+                        await be.run(prompt, max_tokens, res, workload.sampling)
                 else:
-                    await be.run(prompt, max_tokens, res)
+                    await be.run(prompt, max_tokens, res, workload.sampling)
             except Exception as e:  # recorded, counted as failed
                 res.ok, res.error = False, f"{type(e).__name__}: {str(e)[:200]}"
             results.append(res)

@@ -215,11 +215,13 @@ def test_pdserve_bench_http_sweep(cluster, tmp_path):
     out = tmp_path / "sweep.json"  # a .json path: the plots go beside it, named after it
     r = subprocess.run([sys.executable, "-m", "pdserve.cli", "bench", "--backend", "http", "--url",
                         cluster.core.http_address, "--num-prompts", "6", "--input-len", "16", "--output-len", "6",
-                        "--sweep", "10,40", "--slo-ttft-ms", "0.001", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+                        "--sweep", "10,40", "--slo-ttft-ms", "0.001", "--temperature", "0.8", "--top-p", "0.9",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     sweep = json.loads(out.read_text())["sweep"]
     assert [s["config"]["load"]["request_rate"] for s in sweep] == [10, 40]
+    assert {(s["config"]["workload"]["temperature"], s["config"]["workload"]["top_p"]) for s in sweep} == {(0.8, 0.9)}
+    assert all(s["summary"]["failed"] == 0 for s in sweep)
     assert all(s["summary"]["goodput"] == 0 for s in sweep)  # an impossible TTFT SLO: nobody meets it
     assert (tmp_path / "sweep_goodput_vs_rate.png").exists() and (tmp_path / "sweep_rate40.png").exists()
     assert "within TTFT<=0.001 ms" in r.stdout
