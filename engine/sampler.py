@@ -97,6 +97,11 @@ def _draw_torch(logits: torch.Tensor, rows: list[int], temperatures: list[float]
     vocab = logits.shape[-1]
     temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)
     scaled = logits[rows].div_(temps[:, None])  # logits[rows] is a copy: divided in place
+    hot = torch.isposinf(scaled).any(dim=1)  # a temperature so small that logits overflowed: the
+    if bool(hot.any()):  # limit, all of the row's probability on its largest logit (the first, as the kernel)
+        idx = torch.tensor(rows, device=logits.device)[hot]
+        point = torch.full_like(scaled[hot], float("-inf"))
+        scaled[hot] = point.scatter_(1, logits[idx].argmax(dim=1, keepdim=True), 0.0)
     for j in range(len(rows)):
         row = scaled[j]
         filtered = _filter_top_k_top_p(row, top_k[j], top_p[j])

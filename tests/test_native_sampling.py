@@ -88,6 +88,17 @@ def test_a_tie_at_the_cut_keeps_every_tied_token():
     assert got.tolist() == [0, 1, 3]
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_a_temperature_that_overflows_a_logit_draws_the_largest(monkeypatch, kernel):
+    if kernel == "torch":
+        monkeypatch.setattr(sampler, "sample_rows", lambda: None)
+    elif sample_rows() is None:
+        pytest.skip("no C compiler: the kernels are not built here")
+    row = torch.tensor([1.0, 3.0, 2.0, 3.0, -1.0])  # 3 / 1e-39 is past float32's range
+    u = torch.tensor([0.2, 0.9], dtype=torch.float64)
+    assert sampler.draw_rows(row.repeat(2, 1), [0, 1], [1e-39] * 2, [0, 2], [1.0, 0.5], u).tolist() == [1, 1]
+
+
 @native
 def test_a_row_without_finite_logits_draws_token_zero():
     row = torch.full((64,), -torch.inf)

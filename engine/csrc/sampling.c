@@ -187,6 +187,12 @@ void sample_rows(const float *x, int64_t ldx, const int64_t *rows, int64_t num_r
             y[i] = xr[i] / t;
             top = fmaxf(top, y[i]);
         }
+        if (top == INFINITY) { /* a temperature so small that logits overflowed: the limit, the first largest */
+            int64_t best = 0;
+            for (int64_t j = 1; j < cols; ++j) best = xr[j] > xr[best] ? j : best;
+            out[r] = best;
+            continue;
+        }
         if (!isfinite(top)) {
             out[r] = 0;
             continue;
