@@ -38,22 +38,50 @@
 #endif
 #define MB_ROWS 96 /* rows of x per block (a multiple of MR: no short tile inside a block) */
 
-/* pf: the next panel (or NULL), fetched into L2 a line per panel row as this one is swept, so a
- * layer whose weights stream from memory (the LM head: 64 MiB) does not wait on each panel. */
+/* Row t of panel pf fetched into L2 (a line at a time). */
+#define FETCH(pf, t)                                                                          \
+    for (int l = 0; l < NB; l += 16) __builtin_prefetch((pf) + (t) * NB + l, 0, 2)
+
+/* Row t of the panel times each of the tile's R values of x in column t, into the accumulators. */
+#define ACCUMULATE(R, t)                                                                      \
+    for (int r = 0; r < R; ++r) {                                                             \
+        const float xv = x[r * ldx + (t)], *w = p + (t) * NB;                                 \
+        _Pragma("omp simd") for (int c = 0; c < NB; ++c) acc[r][c] += xv * w[c];              \
+    }
+
+/* An R-row tile of one panel, its accumulators in registers for the whole k loop.
+ * micro_R: pf, the next panel (or NULL), fetched whole into L2 as this one is swept, so a layer
+ * whose weights stream from memory (the LM head: 64 MiB) does not wait on each panel.
+ * spread_R: for a panel swept more than once (more rows than one tile). Its sweeps share the
+ * fetching of the next panel, sweep `first` fetching rows first, first + sweeps, ... of it, so
+ * the fetches spread over the whole panel's time; when the first sweep fetched all of it, the
+ * later ones waited on memory. On the 2-core Intel host, layers streamed as in a decode step
+ * took 0.87-0.92x the time at 16-128 rows (the LM head at 32 rows 0.87x); bench/engine.py, runs
+ * alternating with the old build, decoded batch 32 at 1846-1894 tokens/s against 1694-1731
+ * (batch 32 / batch 1 10.3-10.7x against 9.4-9.5x). Each sweep fetching a contiguous share
+ * instead gained only 2-3% at 32 rows. One sweep keeps micro_R: with spread_R's counter in the
+ * loop, one row ran 4-10% slower. */
 #define MICRO(R)                                                                              \
     static void micro_##R(const float *x, int64_t ldx, int64_t k, const float *p, float *out,  \
                           const float *pf) {                                                   \
         float acc[R][NB];                                                                     \
         memset(acc, 0, sizeof acc);                                                           \
         for (int64_t t = 0; t < k; ++t) {                                                     \
-            const float *w = p + t * NB;                                                      \
-            if (pf) {                                                                         \
-                for (int l = 0; l < NB; l += 16) __builtin_prefetch(pf + t * NB + l, 0, 2);   \
+            if (pf) FETCH(pf, t);                                                             \
+            ACCUMULATE(R, t);                                                                 \
+        }                                                                                     \
+        memcpy(out, acc, sizeof acc);                                                         \
+    }                                                                                         \
+    static void spread_##R(const float *x, int64_t ldx, int64_t k, const float *p, float *out, \
+                           const float *pf, int64_t first, int64_t sweeps) {                   \
+        float acc[R][NB];                                                                     \
+        memset(acc, 0, sizeof acc);                                                           \
+        for (int64_t t = 0, next = pf ? first : k; t < k; ++t) {                              \
+            if (t == next) {                                                                  \
+                FETCH(pf, t);                                                                 \
+                next += sweeps;                                                               \
             }                                                                                 \
-            for (int r = 0; r < R; ++r) {                                                     \
-                const float xv = x[r * ldx + t];                                              \
-                _Pragma("omp simd") for (int c = 0; c < NB; ++c) acc[r][c] += xv * w[c];      \
-            }                                                                                 \
+            ACCUMULATE(R, t);                                                                 \
         }                                                                                     \
         memcpy(out, acc, sizeof acc);                                                         \
     }
@@ -70,49 +98,6 @@ MICRO(9)
 MICRO(10)
 MICRO(11)
 MICRO(12)
-#endif
-
-/* The same tile, for a panel swept more than once (more rows than one tile): its sweeps share
- * the fetching of the next panel, sweep s fetching rows s, s + sweeps, s + 2 sweeps... of it, so
- * the fetches spread over the whole panel's time. When the first sweep fetched all of it, the
- * later ones waited on memory. On the 2-core Intel host, layers streamed as in a decode step:
- * 0.87-0.92x the time at 16-128 rows (the LM head at 32 rows 0.87x); bench/engine.py, runs
- * alternating with the old build, decoded batch 32 at 1846-1894 tokens/s against 1694-1731
- * (batch 32 / batch 1 10.3-10.7x against 9.4-9.5x). Each sweep fetching a contiguous share
- * instead gained only 2-3% at 32 rows. One sweep keeps micro_R: with this loop's counter, one
- * row ran 4-10% slower. */
-#define MICRO_SPREAD(R)                                                                       \
-    static void spread_##R(const float *x, int64_t ldx, int64_t k, const float *p, float *out, \
-                           const float *pf, int64_t first, int64_t sweeps) {                   \
-        float acc[R][NB];                                                                     \
-        memset(acc, 0, sizeof acc);                                                           \
-        int64_t next = pf ? first : k;                                                        \
-        for (int64_t t = 0; t < k; ++t) {                                                     \
-            const float *w = p + t * NB;                                                      \
-            if (t == next) {                                                                  \
-                for (int l = 0; l < NB; l += 16) __builtin_prefetch(pf + t * NB + l, 0, 2);   \
-                next += sweeps;                                                               \
-            }                                                                                 \
-            for (int r = 0; r < R; ++r) {                                                     \
-                const float xv = x[r * ldx + t];                                              \
-                _Pragma("omp simd") for (int c = 0; c < NB; ++c) acc[r][c] += xv * w[c];      \
-            }                                                                                 \
-        }                                                                                     \
-        memcpy(out, acc, sizeof acc);                                                         \
-    }
-MICRO_SPREAD(1)
-MICRO_SPREAD(2)
-MICRO_SPREAD(3)
-MICRO_SPREAD(4)
-MICRO_SPREAD(5)
-MICRO_SPREAD(6)
-#if MR > 6
-MICRO_SPREAD(7)
-MICRO_SPREAD(8)
-MICRO_SPREAD(9)
-MICRO_SPREAD(10)
-MICRO_SPREAD(11)
-MICRO_SPREAD(12)
 #endif
 
 void panel_gemm_limits(int *panel_width) { *panel_width = NB; }
