@@ -100,6 +100,20 @@ MICRO(11)
 MICRO(12)
 #endif
 
+/* The tiles by height: micros[r] and spreads[r] serve r rows (1 to MR). */
+typedef void (*micro_fn)(const float *, int64_t, int64_t, const float *, float *, const float *);
+typedef void (*spread_fn)(const float *, int64_t, int64_t, const float *, float *, const float *, int64_t, int64_t);
+static const micro_fn micros[MR + 1] = {NULL, micro_1, micro_2, micro_3, micro_4, micro_5, micro_6,
+#if MR > 6
+                                        micro_7, micro_8, micro_9, micro_10, micro_11, micro_12,
+#endif
+};
+static const spread_fn spreads[MR + 1] = {NULL, spread_1, spread_2, spread_3, spread_4, spread_5, spread_6,
+#if MR > 6
+                                          spread_7, spread_8, spread_9, spread_10, spread_11, spread_12,
+#endif
+};
+
 void panel_gemm_limits(int *panel_width) { *panel_width = NB; }
 
 /* x: m rows of k floats, row stride ldx; panels: ceil(n / NB) panels of k x NB floats;
@@ -121,50 +135,13 @@ void panel_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const float *
             const int64_t sweeps = (b1 - b0 + MR - 1) / MR;
             const float *nxt = j + 1 < np ? p + k * NB : NULL; /* the next panel this thread takes */
             for (int64_t i0 = b0; i0 < b1; i0 += MR) {
-                /* one sweep fetches all of the next panel; several share it (spread_R) */
-                const float *pf = i0 == b0 ? nxt : NULL;
-                const int64_t first = (i0 - b0) / MR;
                 const int r = (int)(b1 - i0 < MR ? b1 - i0 : MR);
                 const float *xi = x + i0 * ldx;
-                if (sweeps > 1) {
-                    switch (r) {
-                    case 1: spread_1(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 2: spread_2(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 3: spread_3(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 4: spread_4(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 5: spread_5(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-#if MR > 6
-                    case 6: spread_6(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 7: spread_7(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 8: spread_8(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 9: spread_9(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 10: spread_10(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    case 11: spread_11(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-                    default: spread_12(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-#else
-                    default: spread_6(xi, ldx, k, p, tile, nxt, first, sweeps); break;
-#endif
-                    }
-                } else {
-                    switch (r) {
-                    case 1: micro_1(xi, ldx, k, p, tile, pf); break;
-                    case 2: micro_2(xi, ldx, k, p, tile, pf); break;
-                    case 3: micro_3(xi, ldx, k, p, tile, pf); break;
-                    case 4: micro_4(xi, ldx, k, p, tile, pf); break;
-                    case 5: micro_5(xi, ldx, k, p, tile, pf); break;
-#if MR > 6
-                    case 6: micro_6(xi, ldx, k, p, tile, pf); break;
-                    case 7: micro_7(xi, ldx, k, p, tile, pf); break;
-                    case 8: micro_8(xi, ldx, k, p, tile, pf); break;
-                    case 9: micro_9(xi, ldx, k, p, tile, pf); break;
-                    case 10: micro_10(xi, ldx, k, p, tile, pf); break;
-                    case 11: micro_11(xi, ldx, k, p, tile, pf); break;
-                    default: micro_12(xi, ldx, k, p, tile, pf); break;
-#else
-                    default: micro_6(xi, ldx, k, p, tile, pf); break;
-#endif
-                    }
-                }
+                /* one sweep fetches all of the next panel; several share it (spread_R) */
+                if (sweeps > 1)
+                    spreads[r](xi, ldx, k, p, tile, nxt, (i0 - b0) / MR, sweeps);
+                else
+                    micros[r](xi, ldx, k, p, tile, nxt);
                 for (int rr = 0; rr < r; ++rr) {
                     float *yr = y + (i0 + rr) * ldy + j0;
                     const float *rs = res ? res + (i0 + rr) * ldr + j0 : NULL;
