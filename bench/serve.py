@@ -174,11 +174,11 @@ def run_target(name: str, url: str, args, rates: list[float], result: dict) -> d
     return t
 
 
-def sampling(args) -> dict | None:
-    """What every request asks for: greedy (None) unless --temperature is given."""
-    if args.temperature == 0 and args.top_p == 1:
-        return None
-    return {"temperature": args.temperature, **({"top_p": args.top_p} if args.top_p < 1 else {})}
+def sampling(args) -> dict[str, float]:
+    """What every request asks for (--temperature, --top-p), in the load generator's terms."""
+    from pdserve.loadgen import Workload
+
+    return Workload(temperature=args.temperature, top_p=args.top_p).sampling
 
 
 class Server:
@@ -260,7 +260,7 @@ def main() -> int:
     starts = dict(t.split("=", 1) for t in args.start)
     rates = [float(r) for r in args.rates.split(",")]
     result: dict = {"rates": rates, "targets": {}, "started_alone": sorted(starts),
-                    "sampling": sampling(args) or {"temperature": 0}}
+                    "sampling": sampling(args)}
     if starts and set(starts) != set(targets):
         ap.error("with --start, give one for every target (this run starts and stops every server)")
     if starts:
