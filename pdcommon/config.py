@@ -203,6 +203,11 @@ class ProcessSection(_Strict):
     # the engine alone on the same schedule), TTFT p50 was 1.20-1.37x the engine's at 10 and
     # 1.05-1.07x at 4, TPOT 1.07-1.23x and 0.99-1.07x.
     io_nice: int = Field(4, ge=0, le=19)
+    # The scheduler slice serving processes ask for (Linux 6.12 on; pdcommon/priority.py): a
+    # woken serving thread (a token for the router, the event loop) then takes a core from the
+    # engine's team at once instead of after the team's own 1.4 ms slice. The engine thread and
+    # its team keep the kernel's default. 0: the default for every thread.
+    serving_slice_us: int = Field(100, ge=0, le=100_000)
     # The serving components' event loop (pdcommon/event_loop.py says what uvloop bought).
     event_loop: EventLoopKind = "uvloop"
     # Added to the nice value of the KV sender's and receiver's threads: hashing, copying and

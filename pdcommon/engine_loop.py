@@ -24,6 +24,7 @@ from typing import Any
 
 from engine import LLMEngine, RequestOutput
 from pdcommon.grpc_server import ServiceUnavailable
+from pdcommon.priority import set_thread_slice
 from pdcommon.token_stream import FIRST, TokenChunk, TokenPusher, pack
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ class EngineLoop:
         self._thread.start()
 
     def _main(self, build: Callable[[], LLMEngine]) -> None:
+        # Back to the kernel's default slice before the engine's OpenMP team exists (it inherits
+        # it): a serving process asks a short one for its threads (pdcommon/priority.py), which
+        # would let any of them take a core from a step at once, but the team must not.
+        set_thread_slice(0)
         try:
             eng = build()
         except BaseException as e:  # the worker's start awaits `ready` and reports it

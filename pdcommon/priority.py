@@ -8,12 +8,27 @@ process at nice 10 cost ~1.3x (bench notes in issue 10). Serving threads need li
 often, so they give way: once a component has started, its event-loop thread raises its own nice
 value, and threads it starts later inherit it. The engine thread and its OpenMP team, started
 before, keep theirs. Raising a nice value needs no privilege; Linux applies it per thread.
+
+Giving way in share must not mean waiting in line. Linux's EEVDF scheduler lets a running thread
+finish its slice (1.4 ms by default here) before a woken one of the same class takes its core,
+and checks at the next tick, so a token woken into the router or a client while the engine's
+team holds both cores waited ~3.5 ms in about half of the first tokens of a colocated worker
+(HTTP, 50M model, traced: 12 of 24 requests). A thread may ask for a shorter slice (Linux 6.12
+on), which lets it preempt one that runs a longer one: serving processes ask for
+`process.serving_slice_us` from their first thread, so every thread they start inherits it, and
+the engine thread returns to the default before it builds the engine and its team. With 100 us,
+5 of 24 requests still met such a wait (the router's event loop, at its lower weight) and the
+time outside the prefill step fell from 6.6-7.0 to 5.0-5.4 ms on average; at 2 and 3 req/s the
+TTFT and TPOT percentiles did not move beyond the run-to-run noise. Setting a slice needs no
+privilege; older kernels accept and ignore it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 import threading
 
 log = logging.getLogger(__name__)
@@ -57,3 +72,59 @@ def restore_priority(target: int) -> int | None:
                     "RAY_worker_niceness=0 in the environment of `ray start`", current, target, e)
         return None
     return target
+
+
+class _SchedAttr(ctypes.Structure):
+    """struct sched_attr (linux/sched/types.h), as far as SCHED_OTHER reads it."""
+
+    _fields_ = [("size", ctypes.c_uint32), ("sched_policy", ctypes.c_uint32), ("sched_flags", ctypes.c_uint64),
+                ("sched_nice", ctypes.c_int32), ("sched_priority", ctypes.c_uint32),
+                ("sched_runtime", ctypes.c_uint64), ("sched_deadline", ctypes.c_uint64),
+                ("sched_period", ctypes.c_uint64)]
+
+
+# sched_setattr / sched_getattr by architecture; elsewhere slices are left alone.
+_SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
+_SCHED_OTHER = 0
+
+
+def _sched_attr_calls():
+    nums = _SYSCALLS.get(platform.machine()) if os.name == "posix" and hasattr(os, "getpriority") else None
+    if nums is None:
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall, nums
+    except (OSError, AttributeError):
+        return None
+
+
+def set_thread_slice(us: float) -> bool:
+    """Ask for a scheduler slice of `us` microseconds for the calling thread (0: the kernel's
+    default); threads it starts later inherit it. Keeps the thread's policy and nice value. Only
+    SCHED_OTHER threads are touched (a real-time one stays as it is). Whether the kernel took it."""
+    calls = _sched_attr_calls()
+    if calls is None:
+        return False
+    syscall, (set_nr, get_nr) = calls
+    attr = _SchedAttr()
+    if syscall(get_nr, 0, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0 or attr.sched_policy != _SCHED_OTHER:
+        return False
+    new = _SchedAttr(size=ctypes.sizeof(_SchedAttr), sched_policy=_SCHED_OTHER, sched_nice=attr.sched_nice,
+                     sched_runtime=int(us * 1000))
+    if syscall(set_nr, 0, ctypes.byref(new), 0) != 0:
+        log.debug("sched_setattr refused a %s us slice (errno %d)", us, ctypes.get_errno())
+        return False
+    return True
+
+
+def thread_slice_us(tid: int = 0) -> float | None:
+    """The scheduler slice of thread `tid` (0: the caller) in microseconds, or None where it
+    cannot be read. The kernel reports its default for threads that asked for none."""
+    calls = _sched_attr_calls()
+    if calls is None:
+        return None
+    syscall, (_, get_nr) = calls
+    attr = _SchedAttr()
+    if syscall(get_nr, tid, ctypes.byref(attr), ctypes.sizeof(attr), 0) != 0:
+        return None
+    return attr.sched_runtime / 1000

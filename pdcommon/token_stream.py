@@ -103,7 +103,12 @@ class TokenPusher:
     owns it and is the only caller."""
 
     def __init__(self, hwm: int = 100_000) -> None:
-        self._ctx = zmq.Context.instance()
+        # A context of its own, whose I/O thread (which puts each token on the wire) starts here,
+        # with the first socket, on the serving thread that builds the pusher: it inherits that
+        # thread's short scheduler slice (pdcommon/priority.py), where one the engine thread
+        # started would have the engine's, and wait up to a tick for a core after each step.
+        self._ctx = zmq.Context()
+        self._ctx.socket(zmq.PUSH).close(0)
         self._socks: dict[str, zmq.Socket] = {}
         self._hwm = hwm
 
@@ -129,6 +134,7 @@ class TokenPusher:
         for sock in self._socks.values():
             sock.close(0)
         self._socks.clear()
+        self._ctx.term()
 
 
 @dataclass(slots=True)

@@ -112,11 +112,12 @@ def _launcher(cfg, asked: str) -> str:
 def _up_processes(cfg, t0: float) -> int:
     """`pdserve up` with processes: the router in this process, workers as its children."""
     from pdcommon.gc_heap import freeze_startup_heap
-    from pdcommon.priority import lower_thread_priority
+    from pdcommon.priority import lower_thread_priority, set_thread_slice
     from pdcommon.security import ClusterIdentity, SecurityConfigError, provision_token, remove_secret, token_path
     from pdserve.launch.cluster import pin_ports
     from pdserve.launch.processes import run_local
 
+    set_thread_slice(cfg.process.serving_slice_us)  # before any thread starts: all inherit it
     pin_ports(cfg)
     r = cfg.router
     try:
@@ -378,10 +379,11 @@ def _run_async(coro, event_loop: EventLoopKind) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from pdcommon.priority import lower_thread_priority
+    from pdcommon.priority import lower_thread_priority, set_thread_slice
     from router import serve
 
     cfg = _config(args)
+    set_thread_slice(cfg.process.serving_slice_us)  # before any thread starts: all inherit it
     launcher = None
     if cfg.kubernetes is not None:  # pools are Deployments: scale them through the API server
         from pdserve.launch.kubernetes import KubernetesLauncher
@@ -403,10 +405,12 @@ def cmd_router(args: argparse.Namespace) -> int:
 def _cmd_worker(args: argparse.Namespace, role: str) -> int:
     import socket
 
-    from pdcommon.priority import lower_thread_priority
+    from pdcommon.priority import lower_thread_priority, set_thread_slice
 
     cfg = _config(args)
     _engine_process_env(args, cfg, role)
+    # Before any thread starts: all inherit it, and the engine thread returns to the default.
+    set_thread_slice(cfg.process.serving_slice_us)
     router_addr = args.router or cfg.router.control_target
     worker_id = args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}"
     from pdserve.launch.processes import die_with_parent

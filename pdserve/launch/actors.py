@@ -41,7 +41,8 @@ class RouterActor:
                 await self.launcher.remove_all()
                 await self.server.stop()
 
-        self.host = LoopHost(serve, self.cfg.process.io_nice, self.cfg.process.event_loop, freeze_heap=True)
+        self.host = LoopHost(serve, self.cfg.process.io_nice, self.cfg.process.event_loop, freeze_heap=True,
+                             slice_us=self.cfg.process.serving_slice_us)
 
     def address(self, timeout_s: float = 120.0) -> str:
         return self.host.wait(timeout_s)

@@ -11,16 +11,17 @@ from collections.abc import Callable, Coroutine
 from pdcommon import event_loop as loops
 from pdcommon.event_loop import EventLoopKind
 from pdcommon.gc_heap import freeze_startup_heap
-from pdcommon.priority import lower_thread_priority
+from pdcommon.priority import lower_thread_priority, set_thread_slice
 
 
 class LoopHost:
     """Runs one async serve() in a thread; `started` gets its address."""
 
     def __init__(self, make: Callable[[asyncio.Event, asyncio.Future], Coroutine], io_nice: int = 0,
-                 event_loop: EventLoopKind = "uvloop", freeze_heap: bool = False) -> None:
+                 event_loop: EventLoopKind = "uvloop", freeze_heap: bool = False, slice_us: int = 0) -> None:
         """`freeze_heap`: the process hosts this server until it exits (a Ray actor), so its
-        start-up heap is frozen once the server is up (pdcommon/gc_heap.py)."""
+        start-up heap is frozen once the server is up (pdcommon/gc_heap.py). `slice_us`: the
+        scheduler slice the server's threads ask for (pdcommon/priority.py; 0: the default)."""
         self._ready = threading.Event()
         self._event_loop = event_loop
         self._address = ""
@@ -28,6 +29,7 @@ class LoopHost:
         self._make = make
         self._io_nice = io_nice
         self._freeze_heap = freeze_heap
+        self._slice_us = slice_us
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop_event: asyncio.Event | None = None
         self.started: asyncio.Future | None = None  # on `loop`: the serve() address, once it has one
@@ -36,6 +38,8 @@ class LoopHost:
         self.thread.start()
 
     def _run(self) -> None:
+        set_thread_slice(self._slice_us)  # the loop's threads (and a worker's engine thread) inherit it
+
         async def main() -> None:
             self.loop = asyncio.get_running_loop()
             self.stop_event = asyncio.Event()

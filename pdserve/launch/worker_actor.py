@@ -22,7 +22,8 @@ class WorkerActor:
         restore_priority(config.process.nice)  # before any thread starts: they inherit it
         self.worker_id = worker_id
         self.host = LoopHost(lambda stop, started: serve_worker(config, role, worker_id, router_address, stop, started),
-                             config.process.io_nice, config.process.event_loop, freeze_heap=True)
+                             config.process.io_nice, config.process.event_loop, freeze_heap=True,
+                             slice_us=config.process.serving_slice_us)
 
     def ready(self, timeout_s: float = 300.0) -> str:
         return self.host.wait(timeout_s)
