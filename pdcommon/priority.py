@@ -20,7 +20,8 @@ the engine thread returns to the default before it builds the engine and its tea
 5 of 24 requests still met such a wait (the router's event loop, at its lower weight) and the
 time outside the prefill step fell from 6.6-7.0 to 5.0-5.4 ms on average; at 2 and 3 req/s the
 TTFT and TPOT percentiles did not move beyond the run-to-run noise. Setting a slice needs no
-privilege; older kernels accept and ignore it.
+privilege; kernels before 6.12 have no per-thread slice for these threads and ignore the field
+(only Linux 6.18 was tried here).
 """
 
 from __future__ import annotations
