@@ -168,7 +168,7 @@ def run_target(name: str, url: str, args, rates: list[float], result: dict) -> d
     print(f"{name}: rate sweep (SLOs TTFT {slo_ttft:.0f} ms, TPOT {slo_tpot:.1f} ms)", flush=True)
     unloaded = ttft_512 + 63 * t["itl_s"]
     t["sweep"] = asyncio.run(sweep(url, rates, args.num_prompts, slo_ttft, slo_tpot, args.seed, unloaded,
-                                   sampling(args)))
+                                   result["sampling"]))
     t["max_rate_kept_up"] = max((r["rate"] for r in t["sweep"] if r["keeps_up"]), default=0.0)
     t["max_rate_90pct_slo"] = max((r["rate"] for r in t["sweep"] if r["slo_attainment"] >= 0.9), default=0.0)
     return t
@@ -271,13 +271,13 @@ def main() -> int:
         with contextlib.ExitStack() as stack:
             for name, url in targets.items():
                 stack.enter_context(Server(starts[name], url))
-            result["targets"] = asyncio.run(single_paired(targets, args.seed, sampling(args)))
+            result["targets"] = asyncio.run(single_paired(targets, args.seed, result["sampling"]))
         for name, url in targets.items():
             with Server(starts[name], url):
                 run_target(name, url, args, rates, result)
     else:  # servers already running: the paired single requests, then every sweep
         print("single requests, paired: " + ", ".join(targets), flush=True)
-        result["targets"] = asyncio.run(single_paired(targets, args.seed, sampling(args)))
+        result["targets"] = asyncio.run(single_paired(targets, args.seed, result["sampling"]))
         for name, url in targets.items():
             run_target(name, url, args, rates, result)
     names = list(targets)

@@ -27,6 +27,7 @@ privilege; kernels before 6.12 have no per-thread slice for these threads and ig
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import platform
@@ -89,6 +90,7 @@ _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 _SCHED_OTHER = 0
 
 
+@functools.cache  # the syscall entry and numbers do not change while the process runs
 def _sched_attr_calls():
     nums = _SYSCALLS.get(platform.machine()) if os.name == "posix" and hasattr(os, "getpriority") else None
     if nums is None:
