@@ -141,7 +141,7 @@ def _raw_grpc_server():
 
     import grpc
 
-    from transfer.grpc_transport import _OPTIONS
+    from transfer.grpc_transport import OPTIONS
 
     def push(chunks, context) -> bytes:
         n = sum(len(c) for c in chunks)
@@ -151,7 +151,7 @@ def _raw_grpc_server():
         for m in messages:
             yield str(len(m)).encode()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push),
                       "Lane": grpc.stream_stream_rpc_method_handler(lane)}),))
@@ -196,9 +196,9 @@ class RawBaseline:
         if transport == "grpc":
             import grpc
 
-            from transfer.grpc_transport import _OPTIONS
+            from transfer.grpc_transport import OPTIONS
 
-            self.channel = grpc.insecure_channel(addrs["raw"], options=_OPTIONS)
+            self.channel = grpc.insecure_channel(addrs["raw"], options=OPTIONS)
             self.call = self.channel.stream_unary(RAW_GRPC_METHOD)
             self.lane_q: queue.SimpleQueue = queue.SimpleQueue()
             self.lane = self.channel.stream_stream(RAW_GRPC_LANE_METHOD)(iter(self.lane_q.get, None))

@@ -237,7 +237,8 @@ def _ack_while_polling(rx, sock, timeout: float = 3.0) -> dict:
 def test_partial_transfers_expire_and_are_bounded():
     import zmq
 
-    from transfer.zmq_transport import HEADER, ZmqReceiver
+    from transfer.zmq_receiver import ZmqReceiver
+    from transfer.zmq_transport import HEADER
 
     rx = ZmqReceiver(host="127.0.0.1", partial_timeout_s=0.5, max_partial=2)
     ctx = zmq.Context()
@@ -272,7 +273,7 @@ def test_zmq_frames_must_carry_the_transfer_keys_tag():
     import zmq
 
     from transfer.wire import frame_tag, header_tag
-    from transfer.zmq_transport import _INDEX, FRAME, HEADER
+    from transfer.zmq_transport import FRAME, HEADER, INDEX
 
     key = b"k" * 32
     sink = RecordingSink()
@@ -287,14 +288,14 @@ def test_zmq_frames_must_carry_the_transfer_keys_tag():
         sock.send_multipart([HEADER, raw, header_tag(key, raw)])
         for i, f in enumerate(frames):  # checksums right, tags under another key
             digest = header.frames[i].checksum
-            sock.send_multipart([FRAME, tid.encode(), _INDEX.pack(i, digest), frame_tag(b"x" * 32, tid, i, digest), f])
+            sock.send_multipart([FRAME, tid.encode(), INDEX.pack(i, digest), frame_tag(b"x" * 32, tid, i, digest), f])
         end = time.monotonic() + 1.0
         while time.monotonic() < end:
             assert not rx.poll(0.05)
         assert sink.opened == ["req-1"] and sink.frames == [] and rx.num_partial == 1
         for i, f in enumerate(frames):
             digest = header.frames[i].checksum
-            sock.send_multipart([FRAME, tid.encode(), _INDEX.pack(i, digest), frame_tag(key, tid, i, digest), f])
+            sock.send_multipart([FRAME, tid.encode(), INDEX.pack(i, digest), frame_tag(key, tid, i, digest), f])
         got = []
         while not got:
             got = rx.poll(0.05)
@@ -310,7 +311,8 @@ def test_transfers_per_peer_are_bounded():
     while another sender's is still taken."""
     import zmq
 
-    from transfer.zmq_transport import HEADER, ZmqReceiver
+    from transfer.zmq_receiver import ZmqReceiver
+    from transfer.zmq_transport import HEADER
 
     rx = ZmqReceiver(host="127.0.0.1", max_partial=16, max_per_peer=2)
     ctx = zmq.Context()
@@ -341,7 +343,8 @@ def test_decoders_have_limits():
     import zmq
 
     from transfer.wire import MAX_HEADER_BYTES
-    from transfer.zmq_transport import FRAME, HEADER, ZmqReceiver
+    from transfer.zmq_receiver import ZmqReceiver
+    from transfer.zmq_transport import FRAME, HEADER
 
     with pytest.raises(TransferError, match="exceeds"):
         KVHeader.decode(b"\x00" * (MAX_HEADER_BYTES + 1))
@@ -396,7 +399,9 @@ def test_zmq_first_frame_rides_with_the_header():
     (one frame) goes in one message. A receiver still takes a header alone, then every frame."""
     import zmq
 
-    from transfer.zmq_transport import FRAME, HEADER, ZmqReceiver, ZmqSender
+    from transfer.zmq_receiver import ZmqReceiver
+    from transfer.zmq_sender import ZmqSender
+    from transfer.zmq_transport import FRAME, HEADER
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -433,23 +438,23 @@ def test_zmq_first_frame_rides_with_the_header():
 
 
 def test_grpc_sends_a_one_chunk_kv_as_one_message_and_a_larger_header_ahead():
-    from transfer.grpc_transport import _FRAME, CHUNK, _chunks, _opening
+    from transfer.grpc_transport import CHUNK, FRAME_PREFIX, kv_messages, parse_opening
     from transfer.wire import checksum, frame_tag
 
     header, frames = make_payload()
     key = b"k" * 32
-    (only,) = list(_chunks(header, frames, key=key))  # header, tag and all frames together
-    rest = _opening(only)[2]
+    (only,) = list(kv_messages(header, frames, key=key))  # header, tag and all frames together
+    rest = parse_opening(only)[2]
     for i, f in enumerate(frames):  # each frame after its index, digest and tag
-        index, digest, tlen = _FRAME.unpack_from(rest)
-        tag, rest = bytes(rest[_FRAME.size:_FRAME.size + tlen]), rest[_FRAME.size + tlen:]
+        index, digest, tlen = FRAME_PREFIX.unpack_from(rest)
+        tag, rest = bytes(rest[FRAME_PREFIX.size:FRAME_PREFIX.size + tlen]), rest[FRAME_PREFIX.size + tlen:]
         assert (index, digest, tag) == (i, checksum(f), frame_tag(key, header.transfer_id, i, digest))
         assert bytes(rest[:f.nbytes]) == bytes(f)
         rest = rest[f.nbytes:]
     assert rest.nbytes == 0
     big, big_frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
-    msgs = list(_chunks(big, big_frames, key=None))
-    assert len(msgs) == 3 and len(msgs[0]) < 4096 and [len(m) for m in msgs[1:]] == [CHUNK + _FRAME.size] * 2
+    msgs = list(kv_messages(big, big_frames, key=None))
+    assert len(msgs) == 3 and len(msgs[0]) < 4096 and [len(m) for m in msgs[1:]] == [CHUNK + FRAME_PREFIX.size] * 2
     # Through a receiver: both shapes land frame by frame, equal to what was sent.
     sink = RecordingSink()
     rx = make_receiver("grpc", host="127.0.0.1", sink=sink)
@@ -475,9 +480,9 @@ def _kv_transfer_server(lane, stream):
 
     import grpc
 
-    from transfer.grpc_transport import _OPTIONS, SERVICE
+    from transfer.grpc_transport import OPTIONS, SERVICE
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         "Lane": grpc.stream_stream_rpc_method_handler(lane), "Push": grpc.stream_unary_rpc_method_handler(stream)}),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -529,7 +534,8 @@ def test_grpc_lane_carries_kv_of_any_size_and_a_bulk_kv_alone():
 
     import msgpack
 
-    from transfer.grpc_transport import CHUNK, GrpcSender, _messages_after_opening, _opening
+    from transfer.grpc_sender import GrpcSender
+    from transfer.grpc_transport import CHUNK, messages_after_opening, parse_opening
     from transfer.wire import KVHeader
 
     seen, release = [], threading.Event()
@@ -537,8 +543,8 @@ def test_grpc_lane_carries_kv_of_any_size_and_a_bulk_kv_alone():
     def lane(messages, context):
         yield b""  # the greeting: the lane is open
         for seq, first in enumerate(messages):
-            raw, _, rest = _opening(first)
-            more = _messages_after_opening(KVHeader.decode(raw))
+            raw, _, rest = parse_opening(first)
+            more = messages_after_opening(KVHeader.decode(raw))
             size = len(rest) + sum(len(next(messages)) for _ in range(more))
             seen.append(("Lane", 1 + more, size))
             if more:
@@ -667,7 +673,7 @@ def test_grpc_lane_fails_a_kv_its_receiver_chokes_on_and_the_next_kv_arrives():
 def test_grpc_receiver_refuses_lanes_beyond_its_limit_and_the_sender_calls_per_kv():
     """Each open lane holds one of the receiver's threads, so it serves `max_lanes`: a second
     sender's lane is refused, and its KV still arrive, each on a call of its own."""
-    from transfer.grpc_transport import GrpcReceiver
+    from transfer.grpc_receiver import GrpcReceiver
 
     rx = GrpcReceiver(host="127.0.0.1", sink=RecordingSink(), max_lanes=1)
     first, second = make_sender("grpc"), make_sender("grpc")
@@ -727,13 +733,13 @@ def test_grpc_lane_forgets_a_kv_the_sender_gave_up_on():
 def test_grpc_bulk_kv_the_sender_gave_up_on_ends_its_lane():
     """A bulk KV cannot be taken back part-way, and nothing else is on the lane meanwhile: giving
     up on one ends the lane, and the next KV goes out all the same."""
-    from transfer.grpc_transport import CHUNK, _messages_after_opening, _opening
+    from transfer.grpc_transport import CHUNK, messages_after_opening, parse_opening
     from transfer.wire import KVHeader
 
     def lane(messages, context):
         yield b""
         for seq, first in enumerate(messages):
-            more = _messages_after_opening(KVHeader.decode(_opening(first)[0]))
+            more = messages_after_opening(KVHeader.decode(parse_opening(first)[0]))
             for _ in range(more):
                 next(messages)
             if not more:  # a bulk KV is never answered
@@ -759,7 +765,8 @@ def test_grpc_bulk_kv_the_sender_gave_up_on_ends_its_lane():
 
 def test_grpc_idle_lane_closes_and_the_next_kv_opens_it_again():
     """A lane holds a thread at each end, so one left idle closes (the receiver's count drops)."""
-    from transfer.grpc_transport import GrpcReceiver, GrpcSender
+    from transfer.grpc_receiver import GrpcReceiver
+    from transfer.grpc_sender import GrpcSender
 
     rx = GrpcReceiver(host="127.0.0.1", sink=RecordingSink())
     tx = GrpcSender(lane_idle_s=0.3)
@@ -788,7 +795,8 @@ def test_grpc_receiver_lets_go_of_the_lane_of_a_sender_that_stops_answering():
     import subprocess
     import sys
 
-    from transfer.grpc_transport import METHOD_LANE, GrpcReceiver
+    from transfer.grpc_receiver import GrpcReceiver
+    from transfer.grpc_transport import METHOD_LANE
 
     rx = GrpcReceiver(host="127.0.0.1", sink=RecordingSink(), keepalive_s=0.5, keepalive_timeout_s=1.0)
     # The sender: a raw lane from a process of its own, greeted, then idle.
@@ -847,7 +855,7 @@ def test_grpc_kv_on_a_lane_that_breaks_fails_at_once_and_the_next_opens_a_new_la
 def test_grpc_hashes_each_frame_when_its_turn_comes():
     """A larger KV's digests are not all computed before its first byte leaves: each frame is
     hashed as it is cut into chunks (its prefix carries the digest of the bytes sent then)."""
-    from transfer.grpc_transport import _FRAME, CHUNK, _chunks
+    from transfer.grpc_transport import CHUNK, FRAME_PREFIX, kv_messages
     from transfer.wire import checksum
 
     header, frames = make_payload(n_frames=2, blocks=1, block_nbytes=CHUNK)
@@ -856,10 +864,10 @@ def test_grpc_hashes_each_frame_when_its_turn_comes():
     second = bytearray(frames[1])
     original = bytes(second)
     frames = [frames[0], memoryview(second)]
-    msgs = _chunks(header, frames, key=None)
+    msgs = kv_messages(header, frames, key=None)
     next(msgs), next(msgs)  # the opening and the first frame are on their way
     second[:8] = b"changed!"  # what the second frame holds by the time its turn comes
-    _, digest, _ = _FRAME.unpack_from(next(msgs))
+    _, digest, _ = FRAME_PREFIX.unpack_from(next(msgs))
     assert digest == checksum(bytes(second)) != checksum(original)
 
 
@@ -867,16 +875,16 @@ def test_grpc_frame_not_signed_with_the_reservation_key_is_refused():
     import grpc
     import msgpack
 
-    from transfer.grpc_transport import _FRAME, _OPENING, METHOD_LANE, _chunks
+    from transfer.grpc_transport import FRAME_PREFIX, METHOD_LANE, OPENING, kv_messages
 
     key = b"k" * 32
     rx = make_receiver("grpc", host="127.0.0.1", keys=lambda h: key)
     try:
         with grpc.insecure_channel(rx.address.removeprefix("grpc://")) as ch:
             header, frames = make_payload()
-            good = next(_chunks(header, frames, key))
-            hlen, tlen = _OPENING.unpack_from(good)
-            at = _OPENING.size + hlen + tlen + _FRAME.size  # the first frame's tag
+            good = next(kv_messages(header, frames, key))
+            hlen, tlen = OPENING.unpack_from(good)
+            at = OPENING.size + hlen + tlen + FRAME_PREFIX.size  # the first frame's tag
             bad = bytearray(good)
             bad[at] ^= 0xFF
             replies = ch.stream_stream(METHOD_LANE)(iter([bytes(bad)]), timeout=10)
@@ -927,7 +935,7 @@ def test_grpc_opening_that_misstates_its_lengths_is_refused():
 def test_grpc_reads_a_larger_kvs_chunks_ahead_within_its_depth_and_ends_with_the_call():
     """The receiver's read-ahead: while one chunk is checked and landed, the next `depth` are
     already asked of gRPC, no more; an error reaches the reader; the thread ends every way."""
-    from transfer.grpc_transport import _read_ahead
+    from transfer.grpc_receiver import _read_ahead
 
     pulled = []
 

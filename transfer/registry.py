@@ -6,9 +6,11 @@ from collections.abc import Callable
 
 from transfer.base import KVReceiver, KVSender, KVSink
 from transfer.fake import FakeReceiver, FakeSender
-from transfer.grpc_transport import GrpcReceiver, GrpcSender
+from transfer.grpc_receiver import GrpcReceiver
+from transfer.grpc_sender import GrpcSender
 from transfer.wire import KeyLookup
-from transfer.zmq_transport import ZmqReceiver, ZmqSender
+from transfer.zmq_receiver import ZmqReceiver
+from transfer.zmq_sender import ZmqSender
 
 TRANSPORTS: dict[str, tuple[Callable[..., KVSender], Callable[..., KVReceiver]]] = {
     "zmq": (ZmqSender, ZmqReceiver),

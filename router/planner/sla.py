@@ -26,14 +26,15 @@ from collections import deque
 
 from pdcommon.config import PlannerSection
 from pdcommon.step_cost import StepCostModel
+from router.planner import decode_load
 from router.planner.arrivals import arrival_cv2, burst_rate
-from router.planner.base import Arrival, Decision, Finished, Observation
+from router.planner.base import Arrival, Decision, Observation
 from router.planner.forecast import FORECASTERS
+from router.planner.scale_policy import POOLS, ScalePolicy
 from router.planner.sizing import PoolModel, Slos, Terms
 
 log = logging.getLogger(__name__)
 
-POOLS = ("prefill", "decode")
 SAMPLE = 4096  # recent arrivals kept for the length mix
 SAMPLE_MIN, SAMPLE_AGE_INTERVALS = 128, 4
 CORRECTION_RANGE = (0.5, 4.0)
@@ -57,7 +58,6 @@ LIGHT_LOAD = 0.5  # utilization under which observed latency corrects the profil
 # The error budget (_aim) lowers the planned attainment once the window holds this many finished
 # requests, at most this far below the target.
 BUDGET_MIN_REQUESTS, BUDGET_MAX_SPEND = 200, 0.3
-SATURATED, MAX_BATCH = 0.8, 256  # decode demand over capacity past which a block teaches nothing
 # The prefill correction is this quantile of a light block's served / profiled prefill times: a
 # prompt that shared its steps with others was served for theirs too. See _correct.
 ALONE_QUANTILE = 0.25
@@ -84,15 +84,13 @@ class SlaPlanner:
         self.offset_sums = {p: (0.0, 0.0) for p in POOLS}  # (weighted misfit, weight), faded per block
         # Per pool, what the last two measured blocks saw: (start, replicas, observed attainment).
         self.seen: dict[str, deque[tuple[float, float, float]]] = {p: deque(maxlen=2) for p in POOLS}
-        self.history: dict[str, deque[tuple[float, int]]] = {p: deque() for p in POOLS}  # scale-down recs
-        self.last_change: dict[str, float] = {p: -math.inf for p in POOLS}
+        self.policy = ScalePolicy(cfg)
         self.share = 0.5  # of the misses, the prefill pool's (MISS_SHARES), as last chosen
         self.hit_fraction = 0.0
         self.prev_rate = 0.0
         # Intervals not yet in a block: (observation, replicas, requests waiting when it began).
         self.pending: list[tuple[Observation, dict[str, int], int]] = []
         self.backlog = 0  # requests with no first token yet at the end of the last interval
-        self.first_plan: float | None = None  # when this planner first planned
         self.met_sums = (0.0, 0.0)  # (met, ended: finished or failed), faded over the attainment window
         self.aim = cfg.target_attainment  # what this interval plans for (_aim)
 
@@ -161,7 +159,7 @@ class SlaPlanner:
             short = {p: n > block[1].get(p, 0) for p, n in self._size(rate, decode_rate, pt, dt).items()}
             self._correct(*block, pt, dt, short)
         need = self._size(rate, decode_rate, pt, dt)
-        floor = self._decode_floor(obs)
+        floor = decode_load.floor_workers(self.decode_model.profile, obs)
         need["decode"] = max(need["decode"], floor)
         # A scale-down also needs confidence that the load fell: the planned rate plus two
         # Poisson standard errors, so that a quiet interval at low rates (a handful of arrivals)
@@ -176,19 +174,17 @@ class SlaPlanner:
         grow = (rate + noise) * (1 + cfg.hysteresis) / rate if rate > 0 else 1.0
         relaxed = self._size(rate * grow, decode_rate * grow, pt, dt)
         relaxed["decode"] = max(relaxed["decode"], floor)
-        desired, reasons = self._policy(now, current, need, relaxed)
+        trusted = {p: self._trust(p) for p in POOLS}  # as this plan was sized, before the policy's change
+        desired, reasons = self.policy.decide(now, current, need, relaxed)
         inputs = {"rate_observed": obs.rate, "rate_burst": burst, "rate_planned": rate, "rate_decode": decode_rate,
                   "decode_floor": floor, "sample": len(self.sample), "miss_share_prefill": self.share,
                   "arrival_cv2": cv2, "prefix_hit_fraction": self.hit_fraction,
                   "attainment_observed": obs.attainment(), "attainment_planned": self.aim,
                   "attainment_window": self.met_sums[0] / self.met_sums[1] if self.met_sums[1] else None,
                   "correction": dict(self.correction),
-                  "attainment_offset": dict(self.offset), "model_trusted": {p: self._trust(p) for p in POOLS},
+                  "attainment_offset": dict(self.offset), "model_trusted": trusted,
                   "predicted": self._predict(rate, decode_rate, desired, pt, dt)}
         decision = Decision(now, dict(current), desired, need, reasons, inputs)
-        for p in POOLS:
-            if desired[p] != current.get(p, 0):
-                self.last_change[p] = now
         log.info("planner decision", extra={"decision": decision.to_dict()})
         return decision
 
@@ -222,7 +218,7 @@ class SlaPlanner:
         if self.offset[pool] > -DISTRUST:
             return True
         seen = self.seen[pool]
-        if not seen or seen[-1][0] < self.last_change[pool] + self.cfg.startup_s:
+        if not seen or seen[-1][0] < self.policy.last_change[pool] + self.cfg.startup_s:
             return True
         if len(seen) == 2:
             (_, before, got_before), (_, after, got_after) = seen
@@ -287,7 +283,7 @@ class SlaPlanner:
         if not steady:  # a burst's latency is queueing, not the profile
             return
         multi = [f for f in done if f.output_len > 1]
-        saturated = self._decode_saturated(obs, multi, current)
+        saturated = decode_load.saturated(self.decode_model.profile, obs, multi, current)
         # A block that began with more prompts waiting than there are prefill workers (a burst's
         # queue, carried in) finishes requests that waited for an earlier load: their TTFTs say
         # nothing of the model's bias at the block's own. The Azure code trace's burst at 15
@@ -315,71 +311,9 @@ class SlaPlanner:
         if not multi or not current.get("decode") or saturated:
             return
         tpot = statistics.fmean(f.tpot_s for f in multi)
-        predicted = self._decode_predicted(multi, obs.duration_s * current["decode"], tpot)
+        predicted = decode_load.predicted_tpot(self.decode_model.profile, multi,
+                                               obs.duration_s * current["decode"], tpot)
         self._blend("decode", tpot / predicted if predicted > 0 else 1.0)
-
-    def _decode_predicted(self, multi: list[Finished], worker_seconds: float, tpot: float) -> float:
-        """The profile's mean TPOT for these requests (under load too: a stack slower per token
-        than the profile, the live router's with Python between the engine and the client, is
-        only seen there, and a model that predicts every TPOT met is not moved by any attainment
-        offset)."""
-        prof = self.decode_model.profile
-        if all(f.batch for f in multi):
-            # At the batch each rode, as its decode worker counted it. Guessed instead (below), it
-            # read the profile as fast: at light load the router's least-loaded placement lets
-            # most sequences decode alone, which `1 + batch` does not count, and the 0.88 learnt
-            # there made the model optimistic at the TPOT knee (bench/decode_model.py: 1.000
-            # predicted where 0.501 was served); a diurnal load met 87.5% of a 90% target.
-            return statistics.fmean(prof.itl_seconds(f.batch, f.prompt_len + f.output_len / 2)
-                                    + prof.transfer_seconds(f.prompt_len) / (f.output_len - 1) for f in multi)
-        # A worker that does not say (an older one): by Little's law from what the requests saw,
-        # itself and, on average, the pool's mean.
-        outs = statistics.fmean(f.output_len for f in multi)
-        ctx = round(statistics.fmean(f.prompt_len + f.output_len / 2 for f in multi))
-        batch = len(multi) / worker_seconds * outs * tpot
-        xfer = statistics.fmean(prof.transfer_seconds(f.prompt_len) / (f.output_len - 1) for f in multi)
-        return prof.itl_seconds(1.0 + batch, ctx) + xfer
-
-    def _decode_capacity(self, ctx: float) -> float:
-        """Decode tokens per second one worker makes at most: a step of as many sequences of
-        context `ctx` as its KV holds (at most MAX_BATCH)."""
-        prof = self.decode_model.profile
-        ctx = max(round(ctx), 1)
-        batch = min(MAX_BATCH, max((prof.kv_capacity_tokens or MAX_BATCH * ctx) // ctx, 1))
-        return batch / prof.itl_seconds(batch, ctx)
-
-    def _decode_floor(self, obs: Observation) -> int:
-        """The fewest decode workers that keep up with the decode tokens this interval's arrivals
-        ask for, each at its most tokens per second (_decode_capacity): fewer fall behind
-        whatever their TPOT. The queueing model sizes from the forecast rate and the sample's
-        mean output, both of which lag a change of mix: in the live test an output-heavy phase
-        (12 req/s x 64 tokens, 1.5x one worker's capacity) followed prompt-only traffic, and
-        with a rate planned at 6-8 and one-token outputs still in the sample the model kept
-        one decode worker, every request of the phase missing its TPOT."""
-        multi = [a for a in obs.arrivals if a.output_len > 1]
-        if not multi or obs.duration_s <= 0:
-            return 1
-        asked = sum(a.output_len - 1 for a in multi) / obs.duration_s
-        ctx = statistics.fmean(a.prompt_len + a.output_len / 2 for a in multi)
-        return max(1, math.ceil(asked / self._decode_capacity(ctx)))
-
-    def _decode_saturated(self, obs: Observation, multi: list[Finished], current: dict[str, float]) -> bool:
-        """Whether the block asked more decode tokens per second of the pool than SATURATED of
-        what the profile says it makes at its largest batch (as many sequences as the KV holds).
-        Past that, sequences wait for room and their TPOT is mostly that wait, which neither the
-        correction (a per-token speed) nor the attainment offset (the model's bias at steady
-        state) should learn: in the live test, an output-heavy burst on one decode worker taught
-        a 2.8x correction that then held three decode workers through the idle minute after it.
-        (Blocks served while the pool was growing still teach: leaving them out as well cost the
-        Azure code trace 5 points of TPOT attainment in the simulator.)"""
-        if not multi:  # the block's finished requests with decode steps
-            return False
-        ctx = statistics.fmean(f.prompt_len + f.output_len / 2 for f in multi)
-        capacity = self._decode_capacity(ctx) * max(current.get("decode", 0), 1.0)
-        # What arrived as well as what finished: a saturated pool finishes only what it can.
-        asked = sum(max(a.output_len - 1, 0) for a in obs.arrivals)
-        demand = max(sum(f.output_len - 1 for f in multi), asked) / obs.duration_s
-        return demand > SATURATED * capacity
 
     def _offsets(self, obs: Observation, current: dict[str, float], pt: Terms, dt: Terms,
                  learn: dict[str, bool]) -> None:
@@ -402,61 +336,3 @@ class SlaPlanner:
     def _blend(self, pool: str, ratio: float) -> None:
         lo, hi = CORRECTION_RANGE
         self.correction[pool] = min(max(0.5 * self.correction[pool] + 0.5 * ratio, lo), hi)
-
-    # ---- the policy -----------------------------------------------------------------------
-    def _policy(self, now: float, current: dict[str, int], need: dict[str, int], relaxed: dict[str, int],
-                ) -> tuple[dict[str, int], dict[str, str]]:
-        cfg = self.cfg
-        desired, reasons = {}, {}
-        if self.first_plan is None:
-            self.first_plan = now
-        # A scale-down needs a whole window of plans, from the start too: a planner that has
-        # seen one interval knows its arrivals, not its bursts. On the Azure code trace the
-        # first plan (30 s of a quiet start) shrank the deployed pools by a quarter, and the
-        # next five minutes, spent growing them back through the first burst, met 30%.
-        young = now - self.first_plan < cfg.scale_down_window_s
-        for p in POOLS:
-            lim = getattr(cfg, p)
-            cur = current.get(p, 0)
-            want = min(max(need[p], lim.min_replicas), lim.max_replicas)
-            hist = self.history[p]
-            hist.append((now, min(max(relaxed[p], lim.min_replicas), lim.max_replicas)))
-            while hist and hist[0][0] < now - cfg.scale_down_window_s:
-                hist.popleft()
-            if want > cur or cur < lim.min_replicas:
-                # At once, but at most doubling per interval: a model that asks for far more
-                # than there is gets to see the result before it asks again.
-                grown = min(max(want, lim.min_replicas), max(2 * cur, cur + 1, lim.min_replicas))
-                desired[p], reasons[p] = grown, f"scale up: the load needs {need[p]}"
-                continue
-            floor = max(r for _, r in hist)
-            if floor >= cur:
-                desired[p], reasons[p] = cur, "hold"
-            elif young:
-                desired[p], reasons[p] = cur, f"hold: fewer than {cfg.scale_down_window_s:.0f} s of plans"
-            elif now - self.last_change[p] < cfg.cooldown_s:
-                desired[p], reasons[p] = cur, f"hold: cooldown after the last change ({cfg.cooldown_s:.0f} s)"
-            else:
-                step = max(1, math.floor(cur * cfg.max_scale_down_fraction))
-                desired[p] = max(floor, cur - step)
-                reasons[p] = (f"scale down: {cfg.scale_down_window_s:.0f} s of plans at +{cfg.hysteresis:.0%} "
-                              f"load need at most {floor}")
-        return self._budget(desired, need, reasons), reasons
-
-    def _budget(self, desired: dict[str, int], need: dict[str, int], reasons: dict[str, str]) -> dict[str, int]:
-        total = self.cfg.max_total_workers
-        if total is None or sum(desired.values()) <= total:
-            return desired
-        # Over the budget: share it in proportion to need, each pool keeping its minimum.
-        mins = {p: getattr(self.cfg, p).min_replicas for p in POOLS}
-        weight = sum(max(need[p], 1) for p in POOLS)
-        out = {p: max(mins[p], math.floor(total * max(need[p], 1) / weight)) for p in POOLS}
-        while sum(out.values()) > total:
-            p = max(POOLS, key=lambda q: out[q] - mins[q])
-            out[p] -= 1
-        while sum(out.values()) < min(total, sum(desired.values())):  # rounding left some: to the neediest
-            p = max(POOLS, key=lambda q: need[q] - out[q])
-            out[p] += 1
-        for p in POOLS:
-            reasons[p] += f"; capped by max_total_workers {total}"
-        return out
