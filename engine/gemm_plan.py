@@ -29,7 +29,11 @@ log = logging.getLogger(__name__)
 # libraries switch kernels from one row count to the next: MKL ran one row fastest and two rows
 # slowest of all (a 2-sequence decode step of the 50M model 11.2 ms against oneDNN's 9.8 on the
 # Intel host, while one sequence took 7.4 against 9.3), so 1 and 2 must not share a measurement.
-POINTS = (1, 2, 4, 8, 16, 64, 256, 1024)
+# And at prompt sizes, each doubling from 256: with 256 and 1024 alone, 512 rows (the geometric
+# middle) took 256's winner, the native kernel, which at 512 rows ran the 50M model's o_proj 15%
+# and qkv 5% slower than oneDNN on the Intel host; and 2048 took 1024's, MKL, 4% behind oneDNN
+# on gate_up there.
+POINTS = (1, 2, 4, 8, 16, 64, 256, 512, 1024, 2048)
 # Layers measured, in model order: as many as hold this many bytes of weights (and one of each
 # shape), so that a big model's layers do not all hold three copies at once.
 PROBE_BYTES = 512 << 20

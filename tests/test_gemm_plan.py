@@ -108,6 +108,19 @@ def test_prompt_sized_rows_are_measured_even_when_whole_passes_are_long():
     assert m.kernel_for(1024) != "onednn" and m.kernel_for(256) != "onednn", (m.route_bounds, m.route_kernels)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN beside MKL")
+def test_a_512_row_prompt_takes_the_winner_measured_at_512_rows():
+    """512 rows sit at the geometric middle of 256 and 1024: measured at those two alone, they
+    took 256's winner. Here oneDNN leads up to 256 rows and trails from 512 on; a 512-token
+    prompt must not run on it (nor any longer one)."""
+    layers = [FastThenSlow(256, 384, 0.001, "onednn", 512, 0.004) for _ in range(2)]
+    with torch.inference_mode():
+        tune(layers, None, max_rows=2048, logits_rows=1)
+    m = layers[0]
+    assert m.kernel_for(256) == "onednn", (m.route_bounds, m.route_kernels)
+    assert all(m.kernel_for(r) != "onednn" for r in (512, 1024, 2048)), (m.route_bounds, m.route_kernels)
+
+
 def _tune_kept(layers, head) -> str:
     with torch.inference_mode():
         return tune([*layers, head], head, max_rows=64, logits_rows=4, keep=True)
