@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import gemm_plan, gemm_times
-from engine.gemm_plan import KERNEL_ORDER, MARGIN, pick, routes_for, tune
+from engine.gemm_plan import KERNEL_ORDER, MARGIN, pick, prompt_kernels, routes_for, tune
 from engine.linear import UNBOUNDED, Linear, gemm_rows
 
 
@@ -36,6 +36,23 @@ def test_pick_prefers_the_cheaper_call_within_the_margin():
 def _times(winners: dict[int, str]) -> dict[int, dict[str, float]]:
     """Times at each measured row count where `winner` is twice as fast as the rest."""
     return {p: {k: (0.5 if k == w else 1.0) * p for k in ("mkl", "onednn")} for p, w in winners.items()}
+
+
+def test_prompt_rows_prefer_the_kernel_fastest_over_all_shapes():
+    """At prompt sizes the routes prefer, within MARGIN, the kernel whose pass over every shape is
+    fastest, and MKL no longer keeps them for being 2% behind: its cheaper call is worth the
+    margin only at decode sizes."""
+    times = {"a": {64: {"mkl": 1.0, "onednn": 0.9}, 256: {"mkl": 4.0, "onednn": 3.92}},
+             "b": {64: {"mkl": 2.0, "onednn": 2.1}, 256: {"mkl": 8.0, "onednn": 7.85}}}
+    assert prompt_kernels(times) == {256: "onednn"}  # 64 rows: decode-sized, left to the margin
+    every = set(KERNEL_ORDER)
+    assert routes_for(times["b"], every, 256) == ([UNBOUNDED], ["mkl"])  # within the margin
+    bounds, kernels = routes_for(times["b"], every, 256, prompt_kernels(times))
+    assert kernels[bounds.index(next(b for b in bounds if b >= 256))] == "onednn", (bounds, kernels)
+    assert kernels[0] == "mkl" and bounds[0] >= 64  # decode sizes keep MKL within its margin
+    # Beyond the margin the fastest still serves, preferred or not.
+    far = {64: {"mkl": 1.0}, 256: {"mkl": 4.0, "onednn": 4.4}}
+    assert routes_for(far, every, 256, {256: "onednn"})[1] == ["mkl"]
 
 
 def test_routes_merge_runs_and_cover_every_row_count():
