@@ -93,14 +93,15 @@ def optimum(curves: list[dict[int, int]], starts_s: list[float], spans_h: list[f
     sizes = sorted({k for c in curves for k in c})
     inf = float("inf")
     # state (size, start of the binding shrink or None) -> hours by requests met, and how each
-    # entry was reached: per block, (state before, size) for every requests-met count
+    # entry was reached: per block, the states before it and, per state after it and requests
+    # met, (index of the state before, size)
     states: dict[tuple[int | None, float | None], np.ndarray] = {(None, None): np.full(total + 1, inf)}
     states[(None, None)][0] = 0.0
-    back: list[dict[tuple, tuple[list, np.ndarray, np.ndarray]]] = []
+    back: list[tuple[list[tuple], dict[tuple, tuple[np.ndarray, np.ndarray]]]] = []
     for curve, start, h in zip(curves, starts_s, spans_h, strict=True):
         gain = {n: met_at(curve, n) for n in sizes}
         nxt: dict[tuple, np.ndarray] = {}
-        how: dict[tuple, tuple[list, np.ndarray, np.ndarray]] = {}
+        how: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         for si, ((m, shrunk), hours) in enumerate(states.items()):
             if shrunk is not None and (hold_s is None or start - shrunk >= hold_s):
                 shrunk = None
@@ -113,12 +114,12 @@ def optimum(curves: list[dict[int, int]], starts_s: list[float], spans_h: list[f
                 cand[g:] = hours[:total + 1 - g] + (n + fixed_size) * h
                 if key not in nxt:
                     nxt[key] = np.full(total + 1, inf)
-                    how[key] = (list(states), np.zeros(total + 1, np.int32), np.zeros(total + 1, np.int32))
+                    how[key] = (np.zeros(total + 1, np.int32), np.zeros(total + 1, np.int32))
                 better = cand < nxt[key]
                 nxt[key][better] = cand[better]
-                how[key][1][better], how[key][2][better] = si, n
+                how[key][0][better], how[key][1][better] = si, n
+        back.append((list(states), how))
         states = nxt
-        back.append(how)
     need = math.ceil(target * total)
     best_key, best_met, best_h = None, 0, inf
     for key, hours in states.items():
@@ -128,11 +129,11 @@ def optimum(curves: list[dict[int, int]], starts_s: list[float], spans_h: list[f
     if best_key is None:
         return None
     path, key, met = [], best_key, best_met
-    for how in reversed(back):  # walk the choices back
-        keys, prev, size = how[key]
+    for curve, (before, how) in zip(reversed(curves), reversed(back), strict=True):  # walk the choices back
+        prev, size = how[key]
         path.append(int(size[met]))
-        key = keys[prev[met]]
-        met -= met_at(curves[len(back) - len(path)], path[-1])
+        key = before[prev[met]]
+        met -= met_at(curve, path[-1])
     path.reverse()
     # The walk back must land where the program said: same requests met, same hours.
     again = sum(met_at(c, n) for c, n in zip(curves, path, strict=True))

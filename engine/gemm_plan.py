@@ -241,7 +241,8 @@ def prompt_kernels(times: dict[str, dict[int, dict[str, float]]]) -> dict[int, s
     kernel whose pass over all the shapes is fastest: the one their routes prefer there, within
     MARGIN. Shape by shape, MKL kept the 50M model's prompts for the 3% margin its cheaper call
     earns at decode sizes, where oneDNN led by 2-4% per shape; in the step, every layer on
-    oneDNN prefilled 512 and 2048 tokens 3.1-3.6% faster than every layer on MKL."""
+    oneDNN prefilled 512 and 2048 tokens 2.1-3.6% faster than every layer on MKL (two paired
+    runs)."""
     out = {}
     points = set.intersection(*(set(t) for t in times.values())) if times else set()
     for p in sorted(x for x in points if x >= ONE_LAYER_ROWS):
