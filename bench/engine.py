@@ -2,7 +2,9 @@
 
 Writes bench/out/engine.json with keys `prefill`, `decode`, `ceilings` (see issue 2), the
 bound this host puts on decode (decode_bounds), and `decode_sampled`: batch 1 and 32 decoding at
-temperature 0.8 and top_p 0.95, against greedy in the same round.
+temperature 0.8 and top_p 0.95, against greedy in the same round. A prefill's share of the
+GEMM ceiling is of the FLOPs its first token needs (prefill_flops: the last layer runs only the
+last token past its K and V), not of a full pass over every token.
 Run: .venv/bin/python bench/engine.py [--quick]. It re-executes itself with tcmalloc preloaded
 when Debian's libtcmalloc-minimal4 is installed (both engines then share the allocator).
 """
@@ -58,7 +60,10 @@ def model_numbers(spec) -> dict:
     h, inter, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     body = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h) + h
-    return {"body_params": body, "lm_head_params": spec.vocab_size * h}
+    # Of the last layer, what every prompt token needs (its K and V) and what only the sampled one does.
+    last_kv = h * (q + 2 * kv) + h
+    return {"body_params": body, "lm_head_params": spec.vocab_size * h, "last_layer_kv_params": last_kv,
+            "last_layer_rest_params": body // layers - last_kv}
 
 
 def decode_bounds(nums, elem: int, kv_per_token: int, ctx: int, batch: int, ceil: dict) -> dict:
@@ -79,8 +84,12 @@ def decode_bounds(nums, elem: int, kv_per_token: int, ctx: int, batch: int, ceil
 
 
 def prefill_flops(spec, nums, n: int) -> float:
-    return 2 * nums["body_params"] * n + 2 * nums["lm_head_params"] + \
-        2 * spec.num_layers * spec.num_heads * spec.head_dim * n * n
+    """The FLOPs an n-token prompt needs for its first token: every layer for every token, except
+    the last layer's attention, o_proj and MLP, which only the last token needs (the engine runs
+    just that row there; see DecoderModel.forward)."""
+    per_token = nums["body_params"] - nums["last_layer_rest_params"]
+    attention = 2 * spec.num_heads * spec.head_dim * ((spec.num_layers - 1) * n * n + 2 * n)
+    return 2 * per_token * n + 2 * nums["last_layer_rest_params"] + 2 * nums["lm_head_params"] + attention
 
 
 def prefill_once_ours(eng, n: int, seed: int) -> float:

@@ -21,6 +21,7 @@ class PrefillSpan:
     context_len: int  # tokens in the sequence after this step (cached + new)
     block_table: torch.Tensor  # int64 block ids covering context_len
     mask: torch.Tensor | None = None  # cached-context spans under a window: [n, ctx] mask, by prepare()
+    samples: bool = True  # its last row samples a token (a prompt's last chunk); an earlier chunk's does not
 
 
 @dataclass(slots=True)
@@ -110,9 +111,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    sampled_only: bool = False) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [num_blocks, block_size, KVH, D] (may be strided
-    views). Writes k/v into the cache and returns the attention output [T, H, D]."""
+    views). Writes k/v into the cache and returns the attention output [T, H, D]. `sampled_only`
+    (the last layer, whose output only the sampling rows read): a prompt span that does not
+    sample is skipped, and the native kernel computes only the last row of one that does; the
+    rows not computed are left unset."""
     if meta.slot_blocks is None:
         meta.prepare(q.shape[0])
     write_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
@@ -121,14 +126,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return _decode(q, k_cache, v_cache, meta.decode_groups[0], kvh, d, meta)  # a pure decode step
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous: the native kernel writes its rows
     for span in meta.prefills:
+        if sampled_only and not span.samples:
+            continue  # an earlier chunk of a prompt: its K and V are all the last layer needs of it
         s, n, ctx = span.start, span.num_tokens, span.context_len
         if meta.native_prefill and meta.sliding_window is None:
             if ctx == n:
-                _native_prefill(q[s:s + n], k[s:s + n], v[s:s + n], 0, out[s:s + n])
+                ks, vs = k[s:s + n], v[s:s + n]
             else:  # a chunk after cached context (chunked prefill, a prefix hit)
                 ks = gather_blocks(k_cache, span.block_table).reshape(-1, kvh, d)[:ctx]
                 vs = gather_blocks(v_cache, span.block_table).reshape(-1, kvh, d)[:ctx]
-                _native_prefill(q[s:s + n], ks, vs, ctx - n, out[s:s + n])
+            # In the last layer, the span's last row alone: one query after ctx - 1 keys.
+            first = s + n - 1 if sampled_only else s
+            _native_prefill(q[first:s + n], ks, vs, ctx - (s + n - first), out[first:s + n])
             continue
         # 4-D [1, heads, tokens, dim]: the layout the fused (flash) SDPA kernels take; 3-D falls
         # back to the unfused math path, several times slower on long prompts.

@@ -62,7 +62,9 @@ class DecoderLayer(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """`keep`: the rows whose output is wanted (the last layer's: the rows that sample). Every
+        row's K and V still go to the cache; attention, o_proj and the MLP run for those rows only."""
         t = x.shape[0]
         residual = x
         x = self.input_layernorm(x)
@@ -84,7 +86,11 @@ class DecoderLayer(nn.Module):
             qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
             qk = qk * cos + rotate_half(qk) * sin
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, sampled_only=keep is not None)
+        if keep is not None:
+            attn, residual, t = attn[keep], residual[keep], keep.shape[0]
+            if t == 0:
+                return residual
         x = self.o_proj(attn.reshape(t, self.q_size), residual=residual)
         residual = x
         gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
@@ -145,12 +151,20 @@ class DecoderModel(nn.Module):
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of the rows in `keep` (all rows when None), in its order.
+
+        Only the last layer can skip rows: every layer before it feeds the next layer's K and V
+        for every token. Its attention, o_proj and MLP then run for the kept rows alone, a
+        prompt's last token: 1/L of a prompt's GEMMs and attention (on the 8-layer benchmark
+        model, a tenth of its prefill), where transformers (logits_to_keep) and vLLM skip only
+        the LM head for the rows that do not sample."""
         x = self.embed_tokens(input_ids)
         cos = self.cos_table[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin_table[positions].to(x.dtype).unsqueeze(1)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, cos, sin, k_cache, v_cache, meta, keep if i == last else None)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Turns a scheduler decision into tensors, runs one packed forward pass, samples.
 
-Only this module builds tensors. Logits are computed only for the rows that sample.
+Only this module builds tensors. The last layer and the logits run only for the rows that sample
+(DecoderModel.forward).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class ModelRunner:
                 dec_tables.extend([table] * n)
                 dec_lens.extend(range(start + 1, ctx + 1))
             else:
-                prefills.append(PrefillSpan(row, n, ctx, torch.tensor(table, dtype=torch.long, device=self.device)))
+                prefills.append(PrefillSpan(row, n, ctx, torch.tensor(table, dtype=torch.long, device=self.device),
+                                            samples=item.samples))
             row += n
             if item.samples:
                 sample_rows.append(row - 1)
@@ -120,11 +122,15 @@ class ModelRunner:
                 ) -> tuple[list[Sequence], list[int], list[float], list[dict[int, float] | None]]:
         """Run the step; return the sequences that sampled, their tokens, logprobs and top logprobs."""
         input_ids, positions, meta, sample_rows = self._metadata(batch)
-        hidden = self.model(input_ids, positions, self.kv.layers, meta)
+        # The last layer computes only the rows that sample (DecoderModel.forward); a step whose
+        # every row samples (decode) keeps them all without a gather.
+        keep = None if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long,
+                                                                            device=self.device)
+        hidden = self.model(input_ids, positions, self.kv.layers, meta, keep)
         sampled = [item.seq for item in batch.scheduled if item.samples]
         if not sampled:
             return [], [], [], []
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden)
         generators: list[torch.Generator | None] = []
         for seq in sampled:
             if seq.params.greedy:
