@@ -60,10 +60,10 @@ def model_numbers(spec) -> dict:
     h, inter, layers = spec.hidden_size, spec.intermediate_size, spec.num_layers
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     body = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h) + h
-    # Of the last layer, what every prompt token needs (its K and V) and what only the sampled one does.
-    last_kv = h * (q + 2 * kv) + h
-    return {"body_params": body, "lm_head_params": spec.vocab_size * h, "last_layer_kv_params": last_kv,
-            "last_layer_rest_params": body // layers - last_kv}
+    # Of the last layer, what only the sampled token needs: o_proj, the MLP and the norm before it
+    # (every prompt token needs the input norm and the QKV projection, for its K and V).
+    return {"body_params": body, "lm_head_params": spec.vocab_size * h,
+            "last_layer_rest_params": q * h + 3 * h * inter + h}
 
 
 def decode_bounds(nums, elem: int, kv_per_token: int, ctx: int, batch: int, ceil: dict) -> dict:
