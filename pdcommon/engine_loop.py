@@ -24,7 +24,7 @@ from typing import Any
 
 from engine import LLMEngine, RequestOutput
 from pdcommon.grpc_server import ServiceUnavailable
-from pdcommon.priority import set_thread_slice
+from pdcommon.priority import name_native_thread, set_thread_slice
 from pdcommon.token_stream import FIRST, TokenChunk, TokenPusher, pack
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class DirectStream:
 # A stream's items: (output, index of its first token in the stream), the index set only for a
 # direct stream, whose outputs the router puts back in order.
 StreamItem = tuple[RequestOutput, "int | None"]
+ENGINE_THREAD_NAME = "pdserve-engine"  # the OS-level name of the engine thread and its OpenMP team
 _DEAD = object()  # put on every stream once the engine has stopped: `next` raises EngineDead
 
 
@@ -78,6 +79,7 @@ class EngineLoop:
         # it): a serving process asks a short one for its threads (pdcommon/priority.py), which
         # would let any of them take a core from a step at once, but the team must not.
         set_thread_slice(0)
+        name_native_thread(ENGINE_THREAD_NAME)  # it and its OpenMP team, apart from the serving threads in `top -H`
         try:
             eng = build()
         except BaseException as e:  # the worker's start awaits `ready` and reports it

@@ -14,6 +14,7 @@ import pytest
 
 from pdcommon.client import make_request
 from pdcommon.config import ProcessSection
+from pdcommon.engine_loop import ENGINE_THREAD_NAME
 from pdcommon.priority import lower_thread_priority, set_thread_slice, thread_slice_us
 from tests.cluster_utils import ProcessCluster
 
@@ -55,12 +56,19 @@ def test_serving_threads_yield_to_the_engine(stories_path, tmp_path):
                     f"{name}: ZeroMQ I/O threads' slices {[thread_slice_us(t) for t in io]}")
             if name == "router":
                 continue
-            # The engine thread did nearly all of the work of these requests: it kept its priority.
-            busiest = max(after, key=lambda t: after[t][1] - before[name].get(t, (0, 0))[1])
-            assert busiest != pid and after[busiest][0] == base, (
-                f"{name}: the busiest thread {busiest} runs at nice {after[busiest][0]}, not {base}")
+            # The engine thread (and its OpenMP team, which inherits its name) kept its priority and
+            # the default slice. Found by name: with this tiny model a prefill worker's event loop may
+            # use more CPU than its engine, so the busiest thread need not be the engine's.
+            engine = [t for t in after if _comm(pid, t) == ENGINE_THREAD_NAME]
+            assert engine and pid not in engine, f"{name}: no thread named {ENGINE_THREAD_NAME}"
+            assert all(after[t][0] == base for t in engine), (
+                f"{name}: engine threads at nice {[after[t][0] for t in engine]}, not {base}")
             if slices:
-                assert thread_slice_us(busiest) == slices, f"{name}: the engine thread's slice is not the default"
+                assert all(thread_slice_us(t) == slices for t in engine), f"{name}: an engine thread's slice"
+            # And the engine did this work: in the decode worker, 600 tokens' steps.
+            if name.startswith("decode"):
+                busiest = max(after, key=lambda t: after[t][1] - before[name].get(t, (0, 0))[1])
+                assert busiest in engine, f"{name}: the busiest thread is {_comm(pid, busiest)!r}"
     finally:
         c.stop()
 
