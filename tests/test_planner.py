@@ -603,3 +603,18 @@ def test_the_router_keeps_serving_while_the_planner_plans():
 
     decision = asyncio.run(main())
     assert decision.reasons == {"loop_ran": "True"}
+
+
+def test_the_sample_ages_from_an_arrival_at_time_zero():
+    """The length mix is the forecast's stretch: after a step, the arrivals before it leave the
+    sample, also when the first came at 0.0 (a simulated trace's start)."""
+    p = planner()
+    for i in range(10):
+        times = [i * INTERVAL + k * INTERVAL / 60 for k in range(60)]  # 2/s, the first at 0.0
+        d = p.plan(Observation(i * INTERVAL, (i + 1) * INTERVAL, _timed(times)), {"prefill": 4, "decode": 2})
+    assert d.inputs["sample"] == 600
+    for i in range(10, 12):  # a 5x step: a new stretch
+        times = [i * INTERVAL + k * INTERVAL / 300 for k in range(300)]
+        d = p.plan(Observation(i * INTERVAL, (i + 1) * INTERVAL, _timed(times)), {"prefill": 4, "decode": 2})
+    assert p.forecaster.since() >= 10 * INTERVAL
+    assert d.inputs["sample"] == 600  # the two intervals since the step, not all 1200

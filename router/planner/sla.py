@@ -101,7 +101,10 @@ class SlaPlanner:
         load that changes must not be planned for with the old shape."""
         since = self.forecaster.since()
         horizon = since if since is not None else now - SAMPLE_AGE_INTERVALS * self.cfg.interval_s
-        while len(self.sample) > SAMPLE_MIN and (self.sample[0].at_s or now) < horizon:
+        # An arrival at time 0.0 is timed too: read as `at_s or now`, it passed for an untimed
+        # one, which is never aged, and held every later one in the sample until 4096 had come
+        # (the simulator's traces start at 0.0; the router's monotonic clock never reads it).
+        while len(self.sample) > SAMPLE_MIN and (now if self.sample[0].at_s is None else self.sample[0].at_s) < horizon:
             self.sample.popleft()
 
     def _aim(self, obs: Observation) -> float:
