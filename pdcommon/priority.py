@@ -90,15 +90,21 @@ _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 _SCHED_OTHER = 0
 
 
-@functools.cache  # the syscall entry and numbers do not change while the process runs
-def _sched_attr_calls():
-    nums = _SYSCALLS.get(platform.machine()) if os.name == "posix" and hasattr(os, "getpriority") else None
-    if nums is None:
+@functools.cache  # the C library's entry points do not change while the process runs
+def _libc_function(name: str):
+    """The C library's `name` (errno kept), or None where there is none."""
+    if os.name != "posix":
         return None
     try:
-        return ctypes.CDLL(None, use_errno=True).syscall, nums
+        return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
+
+
+def _sched_attr_calls():
+    nums = _SYSCALLS.get(platform.machine()) if hasattr(os, "getpriority") else None
+    syscall = _libc_function("syscall") if nums is not None else None
+    return (syscall, nums) if syscall is not None else None
 
 
 def set_thread_slice(us: float) -> bool:
@@ -140,10 +146,5 @@ def name_native_thread(name: str) -> bool:
     """Give the calling thread `name` (cut to Linux's 15 bytes) where the OS shows it: `top -H`,
     `ps -L`, py-spy and /proc/<pid>/task/<tid>/comm. Python 3.11 names threads only for itself.
     Threads started later (an OpenMP team) inherit it. Whether the name took."""
-    if platform.system() != "Linux":
-        return False
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return False
-    return prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0
+    prctl = _libc_function("prctl") if platform.system() == "Linux" else None
+    return prctl is not None and prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0) == 0
