@@ -15,6 +15,7 @@ from pdcommon.step_cost import StepCostModel
 from router.planner import Arrival, Finished, Observation, PoolModel, SlaPlanner, Slos, erlang_c, make_planner
 from router.planner.forecast import Constant, Steady, Trend
 from router.planner.replay import replay_met, with_backlog
+from router.planner.scale_policy import ScalePolicy
 
 INTERVAL = 30.0
 
@@ -106,6 +107,26 @@ def test_hysteresis_holds_a_jittering_load():
     settled = ds[4:]
     changes = sum(d.changed for d in settled)
     assert changes <= 1, [(d.current, d.desired) for d in settled if d.changed]
+
+
+def test_a_plan_within_the_scale_up_tolerance_holds_the_pool():
+    """A plan a worker or two above a big pool (within scale_up_tolerance, 5%) holds it: on the
+    Azure code trace one more prefill worker, asked for 90 s after the pool had shrunk to the
+    window's highest plan, reversed that scale-down. Past the tolerance, and for a small pool
+    (where one worker is more than 5%), it still grows at once."""
+    pol = ScalePolicy(PlannerSection(mode="sla", profile="unused"))
+    d, reasons = pol.decide(0.0, {"prefill": 42, "decode": 4}, {"prefill": 44, "decode": 5},
+                            {"prefill": 48, "decode": 6})
+    assert d == {"prefill": 42, "decode": 5}, reasons  # 44 <= 42 x 1.05; 5 > 4 x 1.05
+    assert "within 5%" in reasons["prefill"]
+    d, _ = pol.decide(30.0, d, {"prefill": 45, "decode": 5}, {"prefill": 48, "decode": 6})
+    assert d["prefill"] == 45
+    # Below the fewest workers that keep up at all, the tolerance does not hold it: a queue grows.
+    assert pol.decide(60.0, {"prefill": 45, "decode": 40}, {"prefill": 45, "decode": 41},
+                      {"prefill": 48, "decode": 44}, keep_up={"prefill": 30, "decode": 41})[0]["decode"] == 41
+    exact = ScalePolicy(PlannerSection(mode="sla", profile="unused", scale_up_tolerance=0.0))
+    assert exact.decide(0.0, {"prefill": 42, "decode": 4}, {"prefill": 43, "decode": 4},
+                        {"prefill": 48, "decode": 6})[0]["prefill"] == 43
 
 
 def test_observed_latency_corrects_the_profile():

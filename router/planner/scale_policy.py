@@ -1,7 +1,8 @@
 """The SLA planner's policy: how a plan becomes replicas. Scale up at once (at most doubling a
-pool per interval); scale down only to the highest plan of the last `scale_down_window_s` at
-`hysteresis` more load, at most `max_scale_down_fraction` of a pool per interval, not within
-`cooldown_s` of a change, not before a whole window of plans; and within `max_total_workers`."""
+pool per interval) for a plan more than `scale_up_tolerance` above the pool; scale down only to
+the highest plan of the last `scale_down_window_s` at `hysteresis` more load, at most
+`max_scale_down_fraction` of a pool per interval, not within `cooldown_s` of a change, not
+before a whole window of plans; and within `max_total_workers`."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ class ScalePolicy:
         self.first_plan: float | None = None  # when the planner first planned
 
     def decide(self, now: float, current: dict[str, int], need: dict[str, int], relaxed: dict[str, int],
-               ) -> tuple[dict[str, int], dict[str, str]]:
-        """What to run per pool, and why, given what the load needs (`need`) and what it would need
-        at the hysteresis' higher load (`relaxed`, the scale-down window's record)."""
+               keep_up: dict[str, int] | None = None) -> tuple[dict[str, int], dict[str, str]]:
+        """What to run per pool, and why, given what the load needs (`need`), what it would need
+        at the hysteresis' higher load (`relaxed`, the scale-down window's record) and the fewest
+        workers that keep up with it at all (`keep_up`: below that a queue grows without end, so
+        the scale-up tolerance does not hold a pool there)."""
         cfg = self.cfg
         desired, reasons = {}, {}
         if self.first_plan is None:
@@ -41,11 +44,16 @@ class ScalePolicy:
             hist.append((now, min(max(relaxed[p], lim.min_replicas), lim.max_replicas)))
             while hist and hist[0][0] < now - cfg.scale_down_window_s:
                 hist.popleft()
-            if want > cur or cur < lim.min_replicas:
+            behind = cur < min((keep_up or {}).get(p, 0), want)
+            if want > cur * (1 + cfg.scale_up_tolerance) or behind or cur < lim.min_replicas:
                 # At once, but at most doubling per interval: a model that asks for far more
                 # than there is gets to see the result before it asks again.
                 grown = min(max(want, lim.min_replicas), max(2 * cur, cur + 1, lim.min_replicas))
                 desired[p], reasons[p] = grown, f"scale up: the load needs {need[p]}"
+                continue
+            if want > cur:
+                desired[p] = cur
+                reasons[p] = f"hold: the load needs {need[p]}, within {cfg.scale_up_tolerance:.0%} of the pool"
                 continue
             floor = max(r for _, r in hist)
             if floor >= cur:

@@ -178,7 +178,10 @@ class SlaPlanner:
         relaxed = self._size(rate * grow, decode_rate * grow, pt, dt)
         relaxed["decode"] = max(relaxed["decode"], floor)
         trusted = {p: self._trust(p) for p in POOLS}  # as this plan was sized, before the policy's change
-        desired, reasons = self.policy.decide(now, current, need, relaxed)
+        # The fewest that keep up at all (the queueing model's lower bound, the decode floor).
+        keep_up = {"prefill": math.floor(rate * pt.kept * self.correction["prefill"] * pt.service_mean) + 1,
+                   "decode": floor}
+        desired, reasons = self.policy.decide(now, current, need, relaxed, keep_up)
         inputs = {"rate_observed": obs.rate, "rate_burst": burst, "rate_planned": rate, "rate_decode": decode_rate,
                   "decode_floor": floor, "sample": len(self.sample), "miss_share_prefill": self.share,
                   "arrival_cv2": cv2, "prefix_hit_fraction": self.hit_fraction,
