@@ -18,19 +18,20 @@ from pdcommon.v1 import router_pb2 as pb
 from router.auth import ApiKeys
 from router.core import RouterCore
 from router.metrics import RouterMetrics
+from router.openai_output import Reply, collect, event, logprobs, merged, usage_event
 from router.openai_params import (
     ApiError,
     Limits,
     bad,
     boolean,
     check_fields,
-    generate_request,
+    choices,
+    generate_requests,
+    prompts,
     stream_options,
     text,
-    token_ids,
 )
 from router.request import RequestFailed
-from router.token_text import text_offsets, token_texts
 
 log = logging.getLogger(__name__)
 
@@ -159,17 +160,10 @@ class OpenAIApi:
             body = await self._json(request)
             check_fields(body, "completion")
             model = self._check_model(body)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                prompt = text(prompt, "prompt")
-            elif isinstance(prompt, list):
-                prompt = token_ids(prompt, "prompt", self.core.model.vocab_size)
-            else:
-                raise bad("prompt", "must be a string, a list of token ids, or a list with one of those")
-            req = generate_request(body, prompt, rid, self.limits, chat=False)
-            return await self._run(request, body, req, rid, model, chat=False)
+            many = prompts(body, self.core.model.vocab_size)
+            n = choices(body, len(many))
+            reqs = generate_requests(body, many, n, rid, self.limits, chat=False)
+            return await self._run(request, body, reqs, Reply(rid, int(time.time()), model, False, n))
         except ApiError as e:
             return error_response(e, rid)
 
@@ -179,9 +173,11 @@ class OpenAIApi:
             body = await self._json(request)
             check_fields(body, "chat")
             model = self._check_model(body)
-            generate_request(body, [0], rid, self.limits, chat=True)  # check sampling fields before templating
-            req = generate_request(body, await self.core.offload(self._chat_ids, body), rid, self.limits, chat=True)
-            return await self._run(request, body, req, rid, model, chat=True)
+            n = choices(body, 1)
+            generate_requests(body, [[0]], 1, rid, self.limits, chat=True)  # check sampling fields before templating
+            ids = await self.core.offload(self._chat_ids, body)
+            reqs = generate_requests(body, [ids], n, rid, self.limits, chat=True)
+            return await self._run(request, body, reqs, Reply(rid, int(time.time()), model, True, n))
         except ApiError as e:
             return error_response(e, rid)
 
@@ -204,104 +200,59 @@ class OpenAIApi:
         # The template writes any special tokens itself.
         return list(tok(rendered, add_special_tokens=False).input_ids)
 
-    def _usage(self, msg: pb.GenerateResponse) -> dict:
-        u = msg.usage
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-    def _logprobs(self, msg: pb.GenerateResponse, chat: bool, offset: int) -> tuple[dict | None, int]:
-        """Logprobs of one message (tokens as text), and the text offset after it."""
-        if not msg.top_logprobs:
-            return None, offset
+    async def _run(self, request: web.Request, body: dict, reqs: list[pb.GenerateRequest], reply: Reply,
+                   ) -> web.StreamResponse:
+        states = []
+        for req in reqs:  # all checked before any starts
+            try:
+                states.append(await self.core.parse(req, None))
+            except RequestFailed as e:
+                raise api_error(e) from e
+        gens = [self.core.generate(st) for st in states]
         tok = self.core.model.tokenizer
-        texts = token_texts(tok, list(msg.token_ids))
-        tops = [dict(zip(token_texts(tok, list(t.logprobs)), t.logprobs.values(), strict=True))
-                for t in msg.top_logprobs]
-        if chat:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [
-                {"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in top.items()]}
-                for t, lp, top in zip(texts, msg.logprobs, tops, strict=False)]}, offset
-        offsets, offset = text_offsets(texts, offset)
-        return {"tokens": texts, "token_logprobs": list(msg.logprobs), "top_logprobs": tops,
-                "text_offset": offsets}, offset
-
-    async def _run(self, request: web.Request, body: dict, req: pb.GenerateRequest, rid: str, model: str,
-                   chat: bool) -> web.StreamResponse:
-        try:
-            st = await self.core.parse(req, None)
-        except RequestFailed as e:
-            raise api_error(e) from e
-        created = int(time.time())
-        gen = self.core.generate(st)
-        ctx = {"id": rid, "created": created, "model": model, "chat": chat}
         try:
             if not body.get("stream"):
-                return await self._collect(gen, ctx)
-            return await self._stream(request, gen, ctx, stream_options(body))
+                try:
+                    return await collect(tok, gens, reply)
+                except RequestFailed as e:
+                    raise api_error(e) from e
+            return await self._stream(request, gens, reply, stream_options(body))
         except (ConnectionResetError, ClientConnectionResetError):
-            log.info("client disconnected", extra={"request_id": rid})
+            log.info("client disconnected", extra={"request_id": reply.id})
             return web.Response(status=499)  # nobody reads it; aiohttp needs a return value
         finally:
-            await gen.aclose()  # a client gone mid-request frees both workers now, not at GC
+            for gen in gens:  # a client gone mid-request frees the workers now, not at GC
+                await gen.aclose()
 
-    async def _collect(self, gen, ctx: dict) -> web.Response:
-        chat = ctx["chat"]
-        out_text, finish, last, lps, offset = "", None, None, [], 0
-        try:
-            async for msg in gen:
-                out_text += msg.text
-                lp, offset = self._logprobs(msg, chat, offset)
-                if lp:
-                    lps.append(lp)
-                if msg.finish_reason:
-                    finish, last = msg.finish_reason, msg
-        except RequestFailed as e:
-            raise api_error(e) from e
-        choice = {"index": 0, "finish_reason": finish, "logprobs": _merge(lps, chat)}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out_text}
-        else:
-            choice["text"] = out_text
-        return web.json_response({"id": ctx["id"], "object": "chat.completion" if chat else "text_completion",
-                                  "created": ctx["created"], "model": ctx["model"], "choices": [choice],
-                                  "usage": self._usage(last)}, headers={"X-Request-Id": ctx["id"]})
-
-    async def _stream(self, request: web.Request, gen, ctx: dict, include_usage: bool) -> web.StreamResponse:
-        chat = ctx["chat"]
+    async def _stream(self, request: web.Request, gens: list, reply: Reply, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": ctx["id"]})
-        first, offset = True, 0
-        head = {"id": ctx["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": ctx["created"], "model": ctx["model"]}
+                                           "X-Request-Id": reply.id})
+        tok = self.core.model.tokenizer
+        started: set[int] = set()
+        offsets, last = [0] * len(gens), [None] * len(gens)
+        events = merged(gens)
         try:
-            async for msg in gen:
-                if first:
+            async for i, msg in events:
+                if not started:
                     await resp.prepare(request)
-                lp, offset = self._logprobs(msg, chat, offset)
-                choice: dict = {"index": 0, "finish_reason": msg.finish_reason or None, "logprobs": lp}
-                if chat:
-                    choice["delta"] = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
-                else:
-                    choice["text"] = msg.text
-                first = False
-                event = {**head, "choices": [choice]}
-                if include_usage:
-                    event["usage"] = None
-                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-                if msg.finish_reason and include_usage:
-                    usage = {**head, "choices": [], "usage": self._usage(msg)}
-                    await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+                lp, offsets[i] = logprobs(tok, msg, reply.chat, offsets[i])
+                await resp.write(event(reply, i, msg, lp, i not in started, include_usage))
+                started.add(i)
+                if msg.finish_reason:
+                    last[i] = msg
+                    if include_usage and all(m is not None for m in last):
+                        await resp.write(usage_event(reply, last))
         except RequestFailed as e:
-            if first:  # nothing sent yet: a proper HTTP error
+            if not started:  # nothing sent yet: a proper HTTP error
                 raise api_error(e) from e
             err = api_error(e)
             await resp.write(f"data: {json.dumps({'error': {'message': err.message, 'type': err.etype}})}\n\n"
                              .encode())
+        finally:
+            await events.aclose()  # stops the other generations when this one ends early
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
@@ -324,10 +275,3 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", "internal_server_error"), rid)
 
-
-def _merge(parts: list[dict], chat: bool) -> dict | None:
-    if not parts:
-        return None
-    if chat:
-        return {"content": [c for p in parts for c in p["content"]]}
-    return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}

@@ -15,13 +15,14 @@ from pdcommon.v1 import router_pb2 as pb
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+MAX_CHOICES = 128  # prompts x n of one HTTP request: each is a request of its own in the pools
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
           "ignore_eos", "user", "logprobs"}
 FIELDS = {"completion": COMMON | {"prompt", "echo"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
 # Fields pdserve does not implement, with the values that leave them off.
 OFF_VALUES = {"best_of": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-              "logit_bias": ({},), "suffix": ("",), "echo": (False,), "n": (1,), "parallel_tool_calls": (False,),
+              "logit_bias": ({},), "suffix": ("",), "echo": (False,), "parallel_tool_calls": (False,),
               "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 
 
@@ -85,6 +86,27 @@ def token_ids(value: list, name: str, vocab: int) -> list[int]:
     return value
 
 
+def prompts(body: dict, vocab: int) -> list[str | list[int]]:
+    """A completion's prompts: a string, a list of token ids, or a list of either (a batch)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [text(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return [text(p, "prompt") if isinstance(p, str) else token_ids(p, "prompt", vocab) for p in prompt]
+    if isinstance(prompt, list) and all(not isinstance(p, (str, list)) for p in prompt):
+        return [token_ids(prompt, "prompt", vocab)]
+    raise bad("prompt", "must be a string, a list of token ids, or a list of strings or of token-id lists")
+
+
+def choices(body: dict, num_prompts: int) -> int:
+    """n: samples per prompt, at most MAX_CHOICES across the request's prompts."""
+    most = max(MAX_CHOICES // max(num_prompts, 1), 1)
+    n = integer(body, "n", 1, most, 1, why=f" ({num_prompts} prompt(s) x n is at most {MAX_CHOICES})")
+    if num_prompts > MAX_CHOICES:
+        raise bad("prompt", f"may hold at most {MAX_CHOICES} prompts, got {num_prompts}")
+    return n
+
+
 def check_fields(body: dict, kind: str) -> None:
     for name, value in body.items():
         if name in FIELDS[kind] and name not in OFF_VALUES:
@@ -125,6 +147,22 @@ def stream_options(body: dict) -> bool:
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
         raise bad("stream_options", "must be an object like {\"include_usage\": true}")
     return boolean(opts, "include_usage")
+
+
+def generate_requests(body: dict, many: list[str | list[int]], n: int, rid: str, limits: Limits,
+                      chat: bool) -> list[pb.GenerateRequest]:
+    """One request per choice, in choice order (prompt x n + sample). One choice keeps the HTTP
+    request's id; more are `id-k`. Sample j of a seeded body draws from seed + j: reproducible,
+    and not n copies of one sample."""
+    if len(many) * n == 1:
+        return [generate_request(body, many[0], rid, limits, chat)]
+    seed = integer(body, "seed", 0, 2**64 - 1)
+    out = []
+    for k in range(len(many) * n):
+        j = k % n
+        b = body if seed is None or j == 0 else {**body, "seed": (seed + j) % 2**64}
+        out.append(generate_request(b, many[k // n], f"{rid}-{k}", limits, chat))
+    return out
 
 
 def generate_request(body: dict, prompt: str | list[int], rid: str, limits: Limits, chat: bool) -> pb.GenerateRequest:

@@ -108,3 +108,34 @@ def test_http_non_streaming_disconnect_frees_within_two_seconds(cluster):
         conn.sock.close()
         conn.close()
         _wait_freed(c, t_close)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_http_disconnect_frees_every_choice(cluster, stream):
+    """n samples run as n requests side by side: a client that goes away stops all of them, not
+    only the one being written when the write fails."""
+    url = urllib.parse.urlparse(cluster.core.http_address)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    body = {"prompt": random_prompt(32, 5 + stream), "max_tokens": MAX_TOKENS, "ignore_eos": True, "n": 3,
+            "temperature": 1.0, "stream": stream}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    with cluster.client() as c:
+        if stream:
+            resp = conn.getresponse()
+            assert resp.status == 200
+            resp.readline()
+            t0, n = time.monotonic(), 0
+            while time.monotonic() - t0 < 1.0:
+                n += resp.readline().startswith(b"data: {")
+            _check_long(n / 3, time.monotonic() - t0)
+        else:
+            end = time.monotonic() + 10
+            while not _busy(c):
+                assert time.monotonic() < end
+                time.sleep(0.05)
+            time.sleep(0.5)
+        assert sum(running for _, running in _busy(c).values()) == 3, _busy(c)
+        t_close = time.monotonic()
+        conn.sock.close()
+        conn.close()
+        _wait_freed(c, t_close)

@@ -96,7 +96,9 @@ def test_models_endpoint(oai):
     ({"prompt": ""}, 400, "prompt is empty"),
     ({"prompt": "hi", "max_tokens": 5000}, 400, "context length"),
     ({"prompt": "hi", "temperature": -2}, 400, "temperature"),
-    ({"prompt": "hi", "n": 3}, 400, "n=1"),
+    ({"prompt": "hi", "n": 129}, 400, "'n' must be an integer in [1, 128]"),
+    ({"prompt": ["hi"] * 3, "n": 50}, 400, "3 prompt(s) x n is at most 128"),
+    ({"prompt": ["hi", 3]}, 400, "list of strings or of token-id lists"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
 ])
 def test_openai_errors(oai, kwargs, status, needle):
@@ -105,6 +107,36 @@ def test_openai_errors(oai, kwargs, status, needle):
         oai.completions.create(**kwargs)
     assert ei.value.status_code == status and needle in ei.value.body["message"]
     assert {"message", "type", "param", "code"} <= set(ei.value.body)
+
+
+def test_batched_prompts_and_n_samples(oai):
+    """A list of prompts and n samples of each: choice index = prompt x n + sample (vLLM's order);
+    each choice is what the same prompt alone gives; usage counts a prompt's tokens once."""
+    kw = {"model": "stories260K", "max_tokens": 8, "temperature": 0}
+    alone = [oai.completions.create(prompt=p, **kw) for p in ("Once upon a time", "The dog")]
+    r = oai.completions.create(prompt=["Once upon a time", "The dog"], **kw)
+    assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+    assert r.usage.completion_tokens == 16 and r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    # Sampled: seed + j for sample j, so the samples differ and the request reproduces.
+    kw = {"model": "stories260K", "max_tokens": 12, "temperature": 1.0, "seed": 5}
+    r = oai.completions.create(prompt=["Once", [1, 403]], n=3, **kw)
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == list(range(6)) and len(set(texts[:3])) > 1
+    assert texts == [c.text for c in oai.completions.create(prompt=["Once", [1, 403]], n=3, **kw).choices]
+    once = oai.completions.create(prompt="Once", **kw)
+    assert texts[0] == once.choices[0].text  # sample 0: the seed itself
+    assert r.usage.prompt_tokens == once.usage.prompt_tokens + 2 and r.usage.completion_tokens == 6 * 12
+    # Streamed: every choice's pieces add up to its text, each ends, and usage comes once, last.
+    stream = list(oai.completions.create(prompt=["Once", [1, 403]], n=3, stream=True,
+                                         stream_options={"include_usage": True}, **kw))
+    got, ends = [""] * 6, set()
+    for ch in stream[:-1]:
+        assert ch.usage is None and len(ch.choices) == 1
+        got[ch.choices[0].index] += ch.choices[0].text
+        if ch.choices[0].finish_reason:
+            ends.add(ch.choices[0].index)
+    assert got == texts and ends == set(range(6))
+    assert not stream[-1].choices and stream[-1].usage.completion_tokens == 6 * 12
 
 
 def test_chat_without_template_is_a_clear_error(oai):
@@ -121,6 +153,7 @@ def test_chat_completions_apply_the_template(chat_model):
         stream = client.chat.completions.create(model="stories-chat", messages=msgs, max_tokens=15, temperature=0,
                                                 stream=True)
         chunks = list(stream)
+        two = client.chat.completions.create(model="stories-chat", messages=msgs, max_tokens=15, temperature=0, n=2)
     eng = LLMEngine(EngineConfig(model=chat_model))
     text = eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     ids = list(eng.tokenizer(text, add_special_tokens=False).input_ids)
@@ -128,6 +161,7 @@ def test_chat_completions_apply_the_template(chat_model):
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref["text"]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+    assert [(c.index, c.message.content) for c in two.choices] == [(0, ref["text"]), (1, ref["text"])]
 
 
 def metrics(cluster) -> dict[str, list]:

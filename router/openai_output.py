@@ -1,0 +1,157 @@
+"""OpenAI response bodies from the router's token streams: one choice per generation (`n` samples
+of each prompt, choice index = prompt x n + sample, as vLLM numbers them), gathered into one JSON
+body or streamed as server-sent events ending with [DONE].
+
+The generations of one HTTP request run side by side. Whatever ends the request early (an error
+in one of them, a client that disconnects) stops all of them, so no worker keeps computing for
+a body nobody will read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pdcommon.v1 import router_pb2 as pb
+from router.token_text import text_offsets, token_texts
+
+
+@dataclass(slots=True)
+class Reply:
+    """What every event of one response shares."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    n: int  # samples per prompt: usage counts each prompt's tokens once
+
+    @property
+    def head(self) -> dict:
+        kind = ("chat.completion.chunk" if self.chat else "text_completion")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+def usage(last: Sequence[pb.GenerateResponse | None], n: int) -> dict:
+    """Summed over the choices; a prompt's own tokens (and its cache hits) once, not once per sample."""
+    firsts = [m for i, m in enumerate(last) if m is not None and i % n == 0]
+    prompt = sum(m.usage.prompt_tokens for m in firsts)
+    completion = sum(m.usage.completion_tokens for m in last if m is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(m.usage.cached_tokens for m in firsts)}}
+
+
+def logprobs(tok, msg: pb.GenerateResponse, chat: bool, offset: int) -> tuple[dict | None, int]:
+    """Logprobs of one message (tokens as text), and the text offset after it."""
+    if not msg.top_logprobs:
+        return None, offset
+    texts = token_texts(tok, list(msg.token_ids))
+    tops = [dict(zip(token_texts(tok, list(t.logprobs)), t.logprobs.values(), strict=True))
+            for t in msg.top_logprobs]
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [
+            {"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in top.items()]}
+            for t, lp, top in zip(texts, msg.logprobs, tops, strict=False)]}, offset
+    offsets, offset = text_offsets(texts, offset)
+    return {"tokens": texts, "token_logprobs": list(msg.logprobs), "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def _merge(parts: list[dict], chat: bool) -> dict | None:
+    if not parts:
+        return None
+    if chat:
+        return {"content": [c for p in parts for c in p["content"]]}
+    return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+async def _choice(tok, gen, index: int, chat: bool) -> tuple[dict, pb.GenerateResponse | None]:
+    out, finish, last, lps, offset = "", None, None, [], 0
+    async for msg in gen:
+        out += msg.text
+        lp, offset = logprobs(tok, msg, chat, offset)
+        if lp:
+            lps.append(lp)
+        if msg.finish_reason:
+            finish, last = msg.finish_reason, msg
+    choice = {"index": index, "finish_reason": finish, "logprobs": _merge(lps, chat)}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": out}
+    else:
+        choice["text"] = out
+    return choice, last
+
+
+async def collect(tok, gens: Sequence, reply: Reply) -> web.Response:
+    """The whole answer as one body. Raises the first generation's failure (RequestFailed)."""
+    if len(gens) == 1:
+        done = [await _choice(tok, gens[0], 0, reply.chat)]
+    else:
+        tasks = [asyncio.ensure_future(_choice(tok, g, i, reply.chat)) for i, g in enumerate(gens)]
+        try:
+            done = await asyncio.gather(*tasks)
+        except BaseException:
+            await _stop(tasks)
+            raise
+    return web.json_response({**reply.head, "object": "chat.completion" if reply.chat else "text_completion",
+                              "choices": [c for c, _ in done], "usage": usage([m for _, m in done], reply.n)},
+                             headers={"X-Request-Id": reply.id})
+
+
+async def merged(gens: Sequence) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """(choice index, message) of all the generations, as they come. The first failure is raised
+    here and stops the rest; so does closing this iterator."""
+    if len(gens) == 1:
+        async for msg in gens[0]:
+            yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen) -> None:
+        try:
+            async for msg in gen:
+                queue.put_nowait((i, msg, None))
+        except Exception as e:  # re-raised by the reader
+            queue.put_nowait((i, None, e))
+            return
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        running = len(tasks)
+        while running:
+            i, msg, err = await queue.get()
+            if err is not None:
+                raise err
+            if msg is None:
+                running -= 1
+                continue
+            yield i, msg
+    finally:
+        await _stop(tasks)
+
+
+async def _stop(tasks: list[asyncio.Future]) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def event(reply: Reply, index: int, msg: pb.GenerateResponse, lp: dict | None, first: bool,
+          include_usage: bool) -> bytes:
+    choice: dict = {"index": index, "finish_reason": msg.finish_reason or None, "logprobs": lp}
+    if reply.chat:
+        choice["delta"] = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
+    else:
+        choice["text"] = msg.text
+    body = {**reply.head, "choices": [choice]}
+    if include_usage:
+        body["usage"] = None
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def usage_event(reply: Reply, last: Sequence[pb.GenerateResponse | None]) -> bytes:
+    return f"data: {json.dumps({**reply.head, 'choices': [], 'usage': usage(last, reply.n)})}\n\n".encode()
