@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request generators.
+"""Token sampling: greedy, temperature, top-k, top-p, penalties, per-request generators.
 
 Each random row draws with its own request's torch.Generator, so a seeded request
 gets the same tokens whatever else shares its batch.
@@ -40,15 +40,39 @@ def argmax_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, lse
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+def penalize(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int) -> None:
+    """A row of logits [V], in place, with the request's penalties (SamplingParams) on what it has
+    seen: repetition on the prompt's and the output's tokens, presence and frequency on the
+    output's."""
+    if params.repetition_penalty != 1.0 and token_ids:
+        seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    out = token_ids[num_prompt:]
+    if out and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(out, dtype=torch.long, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           history: list[tuple[list[int], int]] | None = None,
            ) -> tuple[list[int], list[float], list[dict[int, float] | None]]:
-    """logits: [B, V] float32. Returns the sampled ids, their logprobs under the raw model
-    distribution (before temperature and filtering, as vLLM reports them) and, for rows that
-    ask, the top-n alternatives."""
+    """logits: [B, V] float32; history: each row's tokens so far and how many are its prompt
+    (what penalties apply to). Returns the sampled ids, their logprobs under the raw model
+    distribution (before penalties, temperature and filtering, as vLLM reports them) and, for
+    rows that ask, the top-n alternatives."""
     tokens, lse = argmax_lse(logits)
+    pen = [i for i, p in enumerate(params) if p.penalized] if history is not None else []
+    choose = logits
+    if pen:  # chosen from penalized logits, reported under the raw ones
+        choose = logits.clone()
+        for i in pen:
+            penalize(choose[i], params[i], *history[i])
+            if params[i].greedy:
+                tokens[i] = torch.argmax(choose[i])
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        tokens[rows] = _draw(logits, rows, params, generators)
+        tokens[rows] = _draw(choose, rows, params, generators)
     chosen = logits.gather(1, tokens[:, None]).squeeze(1) - lse
     top: list[dict[int, float] | None] = [None] * len(params)
     for i, p in enumerate(params):

@@ -21,6 +21,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many most likely tokens per position
+    # OpenAI's: subtracted from a token's logit once it was generated (presence) and per time it
+    # was (frequency). vLLM's repetition penalty: a logit of a token in the prompt or the output
+    # divided by it when positive, multiplied when not. Off at 0, 0 and 1.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
     def __post_init__(self) -> None:
@@ -51,7 +57,18 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 2.0:
+            raise InvalidRequestError(f"repetition_penalty must be a number in (0, 2], got {r!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

@@ -37,9 +37,13 @@ def fields(msg) -> dict:
 
 def make_request(prompt: str | list[int], max_tokens: int = 16, temperature: float = 0.0, seed: int | None = None,
                  top_p: float | None = None, top_k: int | None = None, stop: list[str] | None = None,
-                 request_id: str = "", ignore_eos: bool = False, logprobs: int | None = None) -> pb.GenerateRequest:
+                 request_id: str = "", ignore_eos: bool = False, logprobs: int | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 repetition_penalty: float | None = None) -> pb.GenerateRequest:
     sp = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop or [], ignore_eos=ignore_eos)
-    for name, value in (("seed", seed), ("top_p", top_p), ("top_k", top_k), ("logprobs", logprobs)):
+    for name, value in (("seed", seed), ("top_p", top_p), ("top_k", top_k), ("logprobs", logprobs),
+                        ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                        ("repetition_penalty", repetition_penalty)):
         if value is not None:
             setattr(sp, name, value)
     req = pb.GenerateRequest(sampling=sp, request_id=request_id)

@@ -21,6 +21,9 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
     )
 
 
@@ -31,6 +34,9 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         p.seed = s.seed
     if s.logprobs is not None:
         p.logprobs = s.logprobs
+    if s.penalized:
+        p.presence_penalty, p.frequency_penalty = s.presence_penalty, s.frequency_penalty
+        p.repetition_penalty = s.repetition_penalty
     return p
 
 

@@ -17,12 +17,11 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_CHOICES = 128  # prompts x n of one HTTP request: each is a request of its own in the pools
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-          "ignore_eos", "user", "logprobs"}
+          "ignore_eos", "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 FIELDS = {"completion": COMMON | {"prompt", "echo"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
 # Fields pdserve does not implement, with the values that leave them off.
-OFF_VALUES = {"best_of": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-              "logit_bias": ({},), "suffix": ("",), "echo": (False,), "parallel_tool_calls": (False,),
+OFF_VALUES = {"best_of": (1,), "logit_bias": ({},), "suffix": ("",), "echo": (False,), "parallel_tool_calls": (False,),
               "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 
 
@@ -184,4 +183,7 @@ def generate_request(body: dict, prompt: str | list[int], rid: str, limits: Limi
     return make_request(prompt, max_tokens=max_tokens, temperature=number(body, "temperature", 0, 1e6, 1.0),
                         top_p=number(body, "top_p", 0, 1, lo_open=True), top_k=top_k,
                         seed=integer(body, "seed", 0, 2**64 - 1), stop=stop_strings(body), request_id=rid,
-                        ignore_eos=boolean(body, "ignore_eos"), logprobs=logprobs)
+                        ignore_eos=boolean(body, "ignore_eos"), logprobs=logprobs,
+                        presence_penalty=number(body, "presence_penalty", -2, 2),
+                        frequency_penalty=number(body, "frequency_penalty", -2, 2),
+                        repetition_penalty=number(body, "repetition_penalty", 0, 2, lo_open=True))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.conftest import check_close, hf_greedy, make_random_model
+from tests.conftest import check_close, hf_greedy, hf_model, make_random_model
 
 LENGTHS = [1, 2, 5, 17, 33, 100, 250, 480]
 MAX_NEW = 24
@@ -241,11 +241,52 @@ def test_random_families_prefix_and_transfer(random_models, arch):
         check_close(hf_greedy(path, p, 12), got[f"p{i}"], f"{arch} transfer {i}")
 
 
+def test_repetition_penalty_matches_hf(stories_path):
+    """vLLM's repetition penalty is transformers' (RepetitionPenaltyLogitsProcessor): a logit of a
+    token in the prompt or the output divided by the penalty when positive, multiplied when not."""
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    ids = eng.tokenize("Once upon a time")
+    out = eng.generate([ids], SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.3))[0]
+    ref = hf_model(stories_path).generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
+                                          repetition_penalty=1.3, pad_token_id=0)[0, len(ids):].tolist()
+    assert out["token_ids"] == ref
+    assert out["token_ids"] != eng.generate([ids], SamplingParams(max_tokens=40, temperature=0))[0]["token_ids"]
+
+
+def test_presence_and_frequency_penalties_match_a_reference(stories_path):
+    """OpenAI's penalties, against a plain loop over transformers' logits: each generated token's
+    logit less presence + frequency x its count so far, then the argmax. Logprobs stay the raw
+    model's (as vLLM reports them)."""
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    # A prompt whose words the model goes on to repeat: only the outputs may count.
+    ids = eng.tokenize("Once upon a time, there was a little girl named Lily. She loved to play")
+    model, toks = hf_model(stories_path), []
+    with torch.no_grad():
+        for _ in range(40):
+            logits = model(torch.tensor([ids + toks])).logits[0, -1].float()
+            for t in set(toks):
+                logits[t] -= 0.4 + 0.8 * toks.count(t)
+            toks.append(int(torch.argmax(logits)))
+    out = eng.generate([ids], SamplingParams(max_tokens=40, temperature=0, presence_penalty=0.4,
+                                             frequency_penalty=0.8, logprobs=1))[0]
+    assert out["token_ids"] == toks
+    with torch.no_grad():
+        raw = torch.log_softmax(model(torch.tensor([ids + toks])).logits[0].float(), -1)
+    assert all(abs(lp - raw[len(ids) - 1 + k, t].item()) < 1e-4 for k, (t, lp) in
+               enumerate(zip(toks, out["logprobs"], strict=True)))
+
+
+PENALTIES = {"presence_penalty": 0.3, "frequency_penalty": 0.7, "repetition_penalty": 1.2}
+
+
+@pytest.mark.parametrize("penalties", [{}, PENALTIES], ids=["plain", "penalized"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_resumed_request_draws_the_same_tokens(stories_path, story_ids, temperature):
+def test_resumed_request_draws_the_same_tokens(stories_path, story_ids, temperature, penalties):
     """A request resumed with the outputs the client already has (failover) continues exactly
-    where the first one would have: locally, and prefilled on one engine then decoded on another."""
-    params = lambda: SamplingParams(max_tokens=40, temperature=temperature, seed=11, ignore_eos=True)  # noqa: E731
+    where the first one would have: locally, and prefilled on one engine then decoded on another
+    (penalties count the resumed tokens as outputs, as the first run did)."""
+    params = lambda: SamplingParams(max_tokens=40, temperature=temperature, seed=11, ignore_eos=True,  # noqa: E731
+                                    **penalties)
     cfg = EngineConfig(model=stories_path, block_size=16)
     full = LLMEngine(cfg).generate([story_ids[:30]], params())[0]["token_ids"]
     sent = full[:15]

@@ -139,6 +139,22 @@ def test_batched_prompts_and_n_samples(oai):
     assert not stream[-1].choices and stream[-1].usage.completion_tokens == 6 * 12
 
 
+def test_penalties_through_the_cluster_equal_the_engine(oai, stories_path):
+    """Penalties on the disaggregated path (the first token sampled on the prefill worker, the
+    rest on the decode worker, streamed and not) give what one engine gives."""
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play"
+    pen = {"presence_penalty": 0.4, "frequency_penalty": 0.8, "repetition_penalty": 1.1}
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    ref = eng.generate([prompt], SamplingParams(max_tokens=30, temperature=0, **pen))[0]["text"]
+    plain = eng.generate([prompt], SamplingParams(max_tokens=30, temperature=0))[0]["text"]
+    kw = {"model": "stories260K", "prompt": prompt, "max_tokens": 30, "temperature": 0}
+    r = oai.completions.create(**kw, presence_penalty=0.4, frequency_penalty=0.8,
+                               extra_body={"repetition_penalty": 1.1})  # vLLM's field, not OpenAI's
+    assert r.choices[0].text == ref != plain
+    stream = oai.completions.create(**kw, extra_body=pen, stream=True)
+    assert "".join(ch.choices[0].text for ch in stream) == ref
+
+
 def test_chat_without_template_is_a_clear_error(oai):
     with pytest.raises(openai.BadRequestError) as ei:
         oai.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "hi"}])
