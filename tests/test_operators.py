@@ -170,6 +170,8 @@ def test_chat_completions_apply_the_template(chat_model):
                                                 stream=True)
         chunks = list(stream)
         two = client.chat.completions.create(model="stories-chat", messages=msgs, max_tokens=15, temperature=0, n=2)
+        two_chunks = list(client.chat.completions.create(model="stories-chat", messages=msgs, max_tokens=15,
+                                                         temperature=0, n=2, stream=True))
     eng = LLMEngine(EngineConfig(model=chat_model))
     text = eng.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     ids = list(eng.tokenizer(text, add_special_tokens=False).input_ids)
@@ -178,6 +180,9 @@ def test_chat_completions_apply_the_template(chat_model):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
     assert [(c.index, c.message.content) for c in two.choices] == [(0, ref["text"]), (1, ref["text"])]
+    for i in (0, 1):  # streamed: each choice opens with the role, and its pieces add up
+        mine = [c.choices[0].delta for c in two_chunks if c.choices[0].index == i]
+        assert mine[0].role == "assistant" and "".join(d.content or "" for d in mine) == ref["text"]
 
 
 def metrics(cluster) -> dict[str, list]:
