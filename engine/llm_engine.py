@@ -92,6 +92,8 @@ class LLMEngine:
                    None)
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias names a token outside the vocabulary [0, {vocab})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(

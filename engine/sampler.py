@@ -40,10 +40,10 @@ def argmax_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, lse
 
 
-def penalize(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int) -> None:
+def adjust(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], num_prompt: int) -> None:
     """A row of logits [V], in place, with the request's penalties (SamplingParams) on what it has
-    seen: repetition on the prompt's and the output's tokens, presence and frequency on the
-    output's."""
+    seen (repetition on the prompt's and the output's tokens, presence and frequency on the
+    output's), then its logit bias."""
     if params.repetition_penalty != 1.0 and token_ids:
         seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long, device=logits.device)
         vals = logits[seen]
@@ -52,6 +52,9 @@ def penalize(logits: torch.Tensor, params: SamplingParams, token_ids: list[int],
     if out and (params.presence_penalty or params.frequency_penalty):
         ids, counts = torch.tensor(out, dtype=torch.long, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -62,12 +65,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     distribution (before penalties, temperature and filtering, as vLLM reports them) and, for
     rows that ask, the top-n alternatives."""
     tokens, lse = argmax_lse(logits)
-    pen = [i for i, p in enumerate(params) if p.penalized] if history is not None else []
+    pen = [i for i, p in enumerate(params) if p.adjusts_logits] if history is not None else []
     choose = logits
-    if pen:  # chosen from penalized logits, reported under the raw ones
+    if pen:  # chosen from adjusted logits, reported under the raw ones
         choose = logits.clone()
         for i in pen:
-            penalize(choose[i], params[i], *history[i])
+            adjust(choose[i], params[i], *history[i])
             if params[i].greedy:
                 tokens[i] = torch.argmax(choose[i])
     rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -27,6 +27,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: token id -> added to its logit before sampling (-100 bans, +100 forces).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
 
     def __post_init__(self) -> None:
@@ -64,11 +66,18 @@ class SamplingParams:
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 < r <= 2.0:
             raise InvalidRequestError(f"repetition_penalty must be a number in (0, 2], got {r!r}")
+        self.logit_bias = dict(self.logit_bias)
+        for t, b in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or isinstance(b, bool) \
+                    or not isinstance(b, (int, float)) or not -100.0 <= b <= 100.0:
+                raise InvalidRequestError(f"logit_bias maps token ids to numbers in [-100, 100], got {t!r}: {b!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    def adjusts_logits(self) -> bool:
+        """Whether sampling starts from logits other than the model's: penalties or a bias."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)

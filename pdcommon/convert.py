@@ -24,6 +24,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(p.logit_bias),
     )
 
 
@@ -34,9 +35,10 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         p.seed = s.seed
     if s.logprobs is not None:
         p.logprobs = s.logprobs
-    if s.penalized:
+    if s.adjusts_logits:
         p.presence_penalty, p.frequency_penalty = s.presence_penalty, s.frequency_penalty
         p.repetition_penalty = s.repetition_penalty
+        p.logit_bias.update(s.logit_bias)
     return p
 
 

@@ -16,7 +16,7 @@ from engine import InvalidRequestError, ModelInfo
 from engine.hashing import hash_blocks
 from pdcommon.convert import params_from_proto
 from pdcommon.v1 import router_pb2 as pb
-from router.openai_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from router.openai_params import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 from router.request import RequestFailed, RequestState
 
 PREFIX_BLOCKS = 64  # leading blocks tracked for prefix-aware routing
@@ -59,6 +59,10 @@ class Intake:
         if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"stop: at most {MAX_STOP_STRINGS} strings of at "
                                                                   f"most {MAX_STOP_CHARS} characters")
+        bias = request.sampling.logit_bias
+        if len(bias) > MAX_LOGIT_BIAS or any(t >= self.model.vocab_size for t in bias):
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"logit_bias: at most {MAX_LOGIT_BIAS} token ids "
+                                f"in [0, {self.model.vocab_size})")
         if request.sampling.HasField("top_k") and not (request.sampling.top_k == -1
                                                        or 1 <= request.sampling.top_k <= self.model.vocab_size):
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"top_k must be -1 (off) or in "

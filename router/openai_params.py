@@ -15,13 +15,15 @@ from pdcommon.v1 import router_pb2 as pb
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_CHOICES = 128  # prompts x n of one HTTP request: each is a request of its own in the pools
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-          "ignore_eos", "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+          "ignore_eos", "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "logit_bias"}
 FIELDS = {"completion": COMMON | {"prompt", "echo"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
 # Fields pdserve does not implement, with the values that leave them off.
-OFF_VALUES = {"best_of": (1,), "logit_bias": ({},), "suffix": ("",), "echo": (False,), "parallel_tool_calls": (False,),
+OFF_VALUES = {"best_of": (1,), "suffix": ("",), "echo": (False,), "parallel_tool_calls": (False,),
               "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 
 
@@ -132,6 +134,22 @@ def stop_strings(body: dict) -> list[str]:
     return stop
 
 
+def logit_bias(body: dict, vocab: int) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias}: JSON keys are strings."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or len(raw) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} token ids to numbers")
+    out = {}
+    for k, v in raw.items():
+        t = int(k) if isinstance(k, str) and k.isdecimal() else -1
+        if not 0 <= t < vocab or isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise bad("logit_bias", f"maps token ids in [0, {vocab}) to numbers in [-100, 100], got {k!r}: {v!r}")
+        out[t] = float(v)
+    return out
+
+
 @dataclass(slots=True)
 class Limits:
     vocab_size: int
@@ -186,4 +204,5 @@ def generate_request(body: dict, prompt: str | list[int], rid: str, limits: Limi
                         ignore_eos=boolean(body, "ignore_eos"), logprobs=logprobs,
                         presence_penalty=number(body, "presence_penalty", -2, 2),
                         frequency_penalty=number(body, "frequency_penalty", -2, 2),
-                        repetition_penalty=number(body, "repetition_penalty", 0, 2, lo_open=True))
+                        repetition_penalty=number(body, "repetition_penalty", 0, 2, lo_open=True),
+                        logit_bias=logit_bias(body, limits.vocab_size))

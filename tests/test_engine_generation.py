@@ -276,6 +276,25 @@ def test_presence_and_frequency_penalties_match_a_reference(stories_path):
                enumerate(zip(toks, out["logprobs"], strict=True)))
 
 
+def test_logit_bias_forces_and_bans(stories_path):
+    """OpenAI's logit_bias, added before sampling: +100 forces a token, -100 bans one; logprobs
+    stay the raw model's (a forced unlikely token reports its own low logprob)."""
+    from engine import InvalidRequestError
+
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    ids = eng.tokenize("Once upon a time")
+    greedy_ = lambda **kw: SamplingParams(max_tokens=20, temperature=0, logprobs=1, **kw)  # noqa: E731
+    plain = eng.generate([ids], greedy_())[0]["token_ids"]
+    banned = eng.generate([ids], greedy_(logit_bias={plain[0]: -100}))[0]["token_ids"]
+    assert plain[0] not in banned and banned != plain
+    forced = eng.generate([ids], greedy_(logit_bias={403: 100}))[0]
+    assert forced["token_ids"] == [403] * 20 and forced["logprobs"][0] < -1.0
+    sampled = eng.generate([ids], SamplingParams(max_tokens=20, temperature=1.0, seed=3, logit_bias={403: 100}))
+    assert sampled[0]["token_ids"] == [403] * 20
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        eng.generate([ids], greedy_(logit_bias={10**6: 1.0}))
+
+
 PENALTIES = {"presence_penalty": 0.3, "frequency_penalty": 0.7, "repetition_penalty": 1.2}
 
 

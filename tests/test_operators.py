@@ -153,6 +153,10 @@ def test_penalties_through_the_cluster_equal_the_engine(oai, stories_path):
     assert r.choices[0].text == ref != plain
     stream = oai.completions.create(**kw, extra_body=pen, stream=True)
     assert "".join(ch.choices[0].text for ch in stream) == ref
+    # logit_bias (JSON keys are strings): the greedy continuation's first token banned.
+    first = eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0]["token_ids"][0]
+    ban = eng.generate([prompt], SamplingParams(max_tokens=30, temperature=0, logit_bias={first: -100}))[0]["text"]
+    assert oai.completions.create(**kw, logit_bias={str(first): -100}).choices[0].text == ban != plain
 
 
 def test_chat_without_template_is_a_clear_error(oai):
