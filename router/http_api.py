@@ -23,6 +23,7 @@ from router.openai_params import (
     ApiError,
     Limits,
     bad,
+    best_of,
     boolean,
     check_fields,
     choices,
@@ -162,8 +163,10 @@ class OpenAIApi:
             model = self._check_model(body)
             many = prompts(body, self.core.model.vocab_size)
             n = choices(body, len(many))
-            reqs = generate_requests(body, many, n, rid, self.limits, chat=False)
-            return await self._run(request, body, reqs, Reply(rid, int(time.time()), model, False, n))
+            k = best_of(body, n, len(many))
+            reqs = generate_requests(body, many, k, rid, self.limits, chat=False)
+            reply = Reply(rid, int(time.time()), model, False, k, n, body.get("logprobs") is not None)
+            return await self._run(request, body, reqs, reply)
         except ApiError as e:
             return error_response(e, rid)
 
@@ -177,7 +180,8 @@ class OpenAIApi:
             generate_requests(body, [[0]], 1, rid, self.limits, chat=True)  # check sampling fields before templating
             ids = await self.core.offload(self._chat_ids, body)
             reqs = generate_requests(body, [ids], n, rid, self.limits, chat=True)
-            return await self._run(request, body, reqs, Reply(rid, int(time.time()), model, True, n))
+            reply = Reply(rid, int(time.time()), model, True, n, logprobs=body.get("logprobs") is True)
+            return await self._run(request, body, reqs, reply)
         except ApiError as e:
             return error_response(e, rid)
 
@@ -235,7 +239,7 @@ class OpenAIApi:
             async for i, msg in events:
                 if not started:
                     await resp.prepare(request)
-                lp, offsets[i] = logprobs(tok, msg, reply.chat, offsets[i])
+                lp, offsets[i] = logprobs(tok, msg, reply.chat, offsets[i], reply.logprobs)
                 await resp.write(event(reply, i, msg, lp, i not in started, include_usage))
                 started.add(i)
                 if msg.finish_reason:

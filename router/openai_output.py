@@ -28,6 +28,8 @@ class Reply:
     model: str
     chat: bool
     n: int  # samples per prompt: usage counts each prompt's tokens once
+    keep: int | None = None  # best_of: of each prompt's n samples, the `keep` likeliest are returned
+    logprobs: bool = False  # the request asked for them (logprobs: 0 too: the chosen tokens' own)
 
     @property
     def head(self) -> dict:
@@ -44,13 +46,15 @@ def usage(last: Sequence[pb.GenerateResponse | None], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(m.usage.cached_tokens for m in firsts)}}
 
 
-def logprobs(tok, msg: pb.GenerateResponse, chat: bool, offset: int) -> tuple[dict | None, int]:
-    """Logprobs of one message (tokens as text), and the text offset after it."""
-    if not msg.top_logprobs:
+def logprobs(tok, msg: pb.GenerateResponse, chat: bool, offset: int, want: bool = True) -> tuple[dict | None, int]:
+    """Logprobs of one message (tokens as text), and the text offset after it. With no
+    alternatives asked for (logprobs: 0), a completion token's own logprob stands as its top one
+    (vLLM's way: the sampled token is always there); a chat token has none (OpenAI's)."""
+    if not want or not (msg.top_logprobs or msg.logprobs):
         return None, offset
     texts = token_texts(tok, list(msg.token_ids))
     tops = [dict(zip(token_texts(tok, list(t.logprobs)), t.logprobs.values(), strict=True))
-            for t in msg.top_logprobs]
+            for t in msg.top_logprobs] or [{} if chat else {t: lp} for t, lp in zip(texts, msg.logprobs, strict=False)]
     if chat:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [
             {"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in top.items()]}
@@ -68,11 +72,13 @@ def _merge(parts: list[dict], chat: bool) -> dict | None:
     return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-async def _choice(tok, gen, index: int, chat: bool) -> tuple[dict, pb.GenerateResponse | None]:
-    out, finish, last, lps, offset = "", None, None, [], 0
+async def _choice(tok, gen, index: int, chat: bool, want: bool) -> tuple[dict, pb.GenerateResponse | None, float]:
+    """The choice, its last message, and its tokens' summed logprob (what best_of ranks by)."""
+    out, finish, last, lps, offset, total = "", None, None, [], 0, 0.0
     async for msg in gen:
         out += msg.text
-        lp, offset = logprobs(tok, msg, chat, offset)
+        total += sum(msg.logprobs)
+        lp, offset = logprobs(tok, msg, chat, offset, want)
         if lp:
             lps.append(lp)
         if msg.finish_reason:
@@ -82,22 +88,33 @@ async def _choice(tok, gen, index: int, chat: bool) -> tuple[dict, pb.GenerateRe
         choice["message"] = {"role": "assistant", "content": out}
     else:
         choice["text"] = out
-    return choice, last
+    return choice, last, total
+
+
+def _best(done: list[tuple[dict, pb.GenerateResponse | None, float]], n: int, keep: int) -> list[dict]:
+    """Of each prompt's n samples, the `keep` with the highest summed logprob, numbered anew."""
+    out = []
+    for start in range(0, len(done), n):
+        group = sorted(done[start:start + n], key=lambda d: -d[2])[:keep]
+        for rank, (choice, _, _) in enumerate(group):
+            out.append({**choice, "index": start // n * keep + rank})
+    return out
 
 
 async def collect(tok, gens: Sequence, reply: Reply) -> web.Response:
     """The whole answer as one body. Raises the first generation's failure (RequestFailed)."""
     if len(gens) == 1:
-        done = [await _choice(tok, gens[0], 0, reply.chat)]
+        done = [await _choice(tok, gens[0], 0, reply.chat, reply.logprobs)]
     else:
-        tasks = [asyncio.ensure_future(_choice(tok, g, i, reply.chat)) for i, g in enumerate(gens)]
+        tasks = [asyncio.ensure_future(_choice(tok, g, i, reply.chat, reply.logprobs)) for i, g in enumerate(gens)]
         try:
             done = await asyncio.gather(*tasks)
         except BaseException:
             await _stop(tasks)
             raise
+    picked = [c for c, _, _ in done] if reply.keep in (None, reply.n) else _best(done, reply.n, reply.keep)
     return web.json_response({**reply.head, "object": "chat.completion" if reply.chat else "text_completion",
-                              "choices": [c for c, _ in done], "usage": usage([m for _, m in done], reply.n)},
+                              "choices": picked, "usage": usage([m for _, m, _ in done], reply.n)},
                              headers={"X-Request-Id": reply.id})
 
 

@@ -20,10 +20,10 @@ MAX_CHOICES = 128  # prompts x n of one HTTP request: each is a request of its o
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
           "ignore_eos", "user", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
           "logit_bias"}
-FIELDS = {"completion": COMMON | {"prompt", "echo"},
+FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
 # Fields pdserve does not implement, with the values that leave them off.
-OFF_VALUES = {"best_of": (1,), "suffix": ("",), "echo": (False,), "parallel_tool_calls": (False,),
+OFF_VALUES = {"suffix": ("",), "echo": (False,), "parallel_tool_calls": (False,),
               "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 
 
@@ -106,6 +106,17 @@ def choices(body: dict, num_prompts: int) -> int:
     if num_prompts > MAX_CHOICES:
         raise bad("prompt", f"may hold at most {MAX_CHOICES} prompts, got {num_prompts}")
     return n
+
+
+def best_of(body: dict, n: int, num_prompts: int) -> int:
+    """best_of: samples per prompt of which the n likeliest (highest summed logprob) are returned;
+    not with streaming, whose choices go out before the others are known (as OpenAI has it)."""
+    most = max(MAX_CHOICES // max(num_prompts, 1), 1)
+    k = integer(body, "best_of", n, max(most, n), n, why=f" (at least n; {num_prompts} prompt(s) x best_of is at "
+                f"most {MAX_CHOICES})")
+    if k > n and body.get("stream"):
+        raise bad("best_of", "cannot be used with stream")
+    return k
 
 
 def check_fields(body: dict, kind: str) -> None:

@@ -139,6 +139,23 @@ def test_batched_prompts_and_n_samples(oai):
     assert not stream[-1].choices and stream[-1].usage.completion_tokens == 6 * 12
 
 
+def test_best_of_returns_the_likeliest_samples(oai):
+    """best_of=k: k samples of each prompt (sample j drawing from seed + j, as with n), of which
+    the n with the highest summed logprob come back, numbered 0..n-1 per prompt; usage counts all."""
+    kw = {"model": "stories260K", "prompt": "Once", "max_tokens": 12, "temperature": 1.0, "logprobs": 0}
+    singles = [oai.completions.create(seed=5 + j, **kw).choices[0] for j in range(4)]
+    ranked = sorted(singles, key=lambda c: -sum(c.logprobs.token_logprobs))
+    r = oai.completions.create(seed=5, best_of=4, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1] and [c.text for c in r.choices] == [c.text for c in ranked[:2]]
+    assert r.usage.completion_tokens == 4 * 12
+    # logprobs: 0 is the chosen tokens' own logprobs, no alternatives (it once returned none at all).
+    lp = singles[0].logprobs
+    pairs = zip(lp.top_logprobs, lp.token_logprobs, strict=True)
+    assert len(lp.token_logprobs) == 12 and all(list(t.values()) == [v] for t, v in pairs)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        oai.completions.create(seed=5, best_of=2, stream=True, **kw)
+
+
 def test_penalties_through_the_cluster_equal_the_engine(oai, stories_path):
     """Penalties on the disaggregated path (the first token sampled on the prefill worker, the
     rest on the decode worker, streamed and not) give what one engine gives."""
