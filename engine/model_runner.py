@@ -140,5 +140,5 @@ class ModelRunner:
             g = torch.Generator(device=self.device)
             g.manual_seed(token_seed(seq.params.seed, seq.num_output_tokens))
             generators.append(g)
-        history = [(s.token_ids, s.num_prompt_tokens) if s.params.adjusts_logits else ([], 0) for s in sampled]
+        history = [(s.token_ids, s.num_prompt_tokens) if s.params.adjusts_logits else None for s in sampled]
         return (sampled, *sample(logits, [s.params for s in sampled], generators, history))

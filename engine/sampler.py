@@ -58,14 +58,14 @@ def adjust(logits: torch.Tensor, params: SamplingParams, token_ids: list[int], n
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           history: list[tuple[list[int], int]] | None = None,
+           history: list[tuple[list[int], int] | None] | None = None,
            ) -> tuple[list[int], list[float], list[dict[int, float] | None]]:
-    """logits: [B, V] float32; history: each row's tokens so far and how many are its prompt
-    (what penalties apply to). Returns the sampled ids, their logprobs under the raw model
-    distribution (before penalties, temperature and filtering, as vLLM reports them) and, for
-    rows that ask, the top-n alternatives."""
+    """logits: [B, V] float32; history: for each row whose logits are adjusted (penalties, a bias;
+    None for the others), its tokens so far and how many are its prompt. Returns the sampled ids,
+    their logprobs under the raw model distribution (before penalties, temperature and filtering,
+    as vLLM reports them) and, for rows that ask, the top-n alternatives."""
     tokens, lse = argmax_lse(logits)
-    pen = [i for i, p in enumerate(params) if p.adjusts_logits] if history is not None else []
+    pen = [i for i, h in enumerate(history or ()) if h is not None]
     choose = logits
     if pen:  # chosen from adjusted logits, reported under the raw ones
         choose = logits.clone()

@@ -99,10 +99,14 @@ def prompts(body: dict, vocab: int) -> list[str | list[int]]:
     raise bad("prompt", "must be a string, a list of token ids, or a list of strings or of token-id lists")
 
 
+def _most_per_prompt(num_prompts: int) -> int:
+    return max(MAX_CHOICES // max(num_prompts, 1), 1)
+
+
 def choices(body: dict, num_prompts: int) -> int:
     """n: samples per prompt, at most MAX_CHOICES across the request's prompts."""
-    most = max(MAX_CHOICES // max(num_prompts, 1), 1)
-    n = integer(body, "n", 1, most, 1, why=f" ({num_prompts} prompt(s) x n is at most {MAX_CHOICES})")
+    n = integer(body, "n", 1, _most_per_prompt(num_prompts), 1,
+                why=f" ({num_prompts} prompt(s) x n is at most {MAX_CHOICES})")
     if num_prompts > MAX_CHOICES:
         raise bad("prompt", f"may hold at most {MAX_CHOICES} prompts, got {num_prompts}")
     return n
@@ -111,9 +115,8 @@ def choices(body: dict, num_prompts: int) -> int:
 def best_of(body: dict, n: int, num_prompts: int) -> int:
     """best_of: samples per prompt of which the n likeliest (highest summed logprob) are returned;
     not with streaming, whose choices go out before the others are known (as OpenAI has it)."""
-    most = max(MAX_CHOICES // max(num_prompts, 1), 1)
-    k = integer(body, "best_of", n, max(most, n), n, why=f" (at least n; {num_prompts} prompt(s) x best_of is at "
-                f"most {MAX_CHOICES})")
+    k = integer(body, "best_of", n, max(_most_per_prompt(num_prompts), n), n,
+                why=f" (at least n; {num_prompts} prompt(s) x best_of is at most {MAX_CHOICES})")
     if k > n and body.get("stream"):
         raise bad("best_of", "cannot be used with stream")
     return k

@@ -217,8 +217,13 @@ class PoolModel:
             return 1
         reachable = self.prefill_reachable(t, correction)
         goal = min(target * reachable, reachable - REACH_MARGIN)  # never chase the last of what is reachable
-        low = max(1, math.floor(rate * t.kept * correction * t.service_mean) + 1)  # fewer cannot keep up
+        low = self.prefill_keep_up(rate, t, correction)
         return _fewest(_enough(lambda c: self.prefill_attainment(c, rate, t, correction), goal, trust), low, limit)
+
+    @staticmethod
+    def prefill_keep_up(rate: float, t: Terms, correction: float = 1.0) -> int:
+        """The fewest prefill workers that keep up with the load at all: fewer, and the queue grows."""
+        return max(1, math.floor(rate * t.kept * correction * t.service_mean) + 1)
 
     # ---- decode ---------------------------------------------------------------------------
     def decode_batch(self, workers: int, rate: float, t: Terms, correction: float = 1.0) -> tuple[float, float]:

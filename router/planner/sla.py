@@ -178,8 +178,7 @@ class SlaPlanner:
         relaxed = self._size(rate * grow, decode_rate * grow, pt, dt)
         relaxed["decode"] = max(relaxed["decode"], floor)
         trusted = {p: self._trust(p) for p in POOLS}  # as this plan was sized, before the policy's change
-        # The fewest that keep up at all (the queueing model's lower bound, the decode floor).
-        keep_up = {"prefill": math.floor(rate * pt.kept * self.correction["prefill"] * pt.service_mean) + 1,
+        keep_up = {"prefill": self.prefill_model.prefill_keep_up(rate, pt, self.correction["prefill"]),
                    "decode": floor}
         desired, reasons = self.policy.decide(now, current, need, relaxed, keep_up)
         inputs = {"rate_observed": obs.rate, "rate_burst": burst, "rate_planned": rate, "rate_decode": decode_rate,
