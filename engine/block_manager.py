@@ -82,6 +82,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         seq.block_hashes = hash_blocks(seq.token_ids, self.block_size, seq.block_hashes)
+        if seq.needs_prompt_logprobs:
+            return []  # its blocks are still hashed, so that they are published once computed
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         return self._lookup(seq.block_hashes[:max_blocks], seq.token_ids)
 

@@ -177,7 +177,10 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted)
         if not batch:
             return outputs
-        sampled, tokens, logprobs, tops = self.runner.execute(batch)
+        sampled, tokens, logprobs, tops, prompt = self.runner.execute(batch)
+        for seq, lps, ptops in prompt:
+            seq.prompt_logprobs += lps
+            seq.prompt_top_logprobs += ptops
         if self.config.emulate_device_s_per_token:  # device emulation (EngineConfig): a slower chip
             time.sleep(self.config.emulate_device_s_per_token * sum(i.num_new_tokens for i in batch.scheduled))
         for item in batch.scheduled:
@@ -233,12 +236,15 @@ class LLMEngine:
             out.kv_part = self.export_kv(seq.request_id, *seq.kv_stream)
         if first and seq.first_scheduled_time is not None:
             out.prefill_s = seq.first_token_time - seq.first_scheduled_time
+        if first and seq.params.prompt_logprobs is not None and not seq.needs_prompt_logprobs:
+            out.prompt_logprobs, out.prompt_top_logprobs = seq.prompt_logprobs, seq.prompt_top_logprobs
         return out
 
     # ---- convenience -------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[dict]:
-        """Run prompts to completion; returns dicts with token_ids, text, logprobs, finish_reason."""
+        """Run prompts to completion; returns dicts with token_ids, text, logprobs, finish_reason
+        (and prompt_logprobs, prompt_top_logprobs when asked for)."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         ids = [self.add_request(None, p, replace(sp) if sp else None)
                for p, sp in zip(prompts, plist, strict=True)]
@@ -252,6 +258,8 @@ class LLMEngine:
                 r["top_logprobs"] += out.new_top_logprobs
                 r["text"] += out.text_delta
                 r["num_cached_tokens"] = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    r["prompt_logprobs"], r["prompt_top_logprobs"] = out.prompt_logprobs, out.prompt_top_logprobs
                 if out.finished:
                     r["finish_reason"] = out.finish_reason
         return [results[i] for i in ids]

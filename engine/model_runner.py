@@ -17,11 +17,15 @@ from engine.attention import (
 )
 from engine.kv_cache import KVCache
 from engine.model import DecoderModel
+from engine.prompt_logprobs import compute, prompt_rows
 from engine.sampler import sample
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 
 _MASK64 = (1 << 63) - 1
+# The sequences that sampled, their tokens, logprobs and top logprobs; the prompt logprobs made.
+StepResult = tuple[list[Sequence], list[int], list[float], list[dict[int, float] | None],
+                   list[tuple[Sequence, list[float], list[dict[int, float]]]]]
 
 
 def token_seed(seed: int, index: int) -> int:
@@ -118,18 +122,23 @@ class ModelRunner:
         return groups
 
     @torch.inference_mode()
-    def execute(self, batch: SchedulerOutput
-                ) -> tuple[list[Sequence], list[int], list[float], list[dict[int, float] | None]]:
-        """Run the step; return the sequences that sampled, their tokens, logprobs and top logprobs."""
+    def execute(self, batch: SchedulerOutput) -> StepResult:
+        """Run the step; return the sequences that sampled, their tokens, logprobs and top
+        logprobs, and the prompt logprobs it computed (engine/prompt_logprobs.py)."""
         input_ids, positions, meta, sample_rows = self._metadata(batch)
+        wanted = prompt_rows(batch)
         # The last layer computes only the rows that sample (DecoderModel.forward); a step whose
-        # every row samples (decode) keeps them all without a gather.
-        keep = None if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long,
-                                                                            device=self.device)
+        # every row samples (decode) keeps them all without a gather, and one that owes prompt
+        # logprobs computes every row.
+        everything = wanted or len(sample_rows) == len(input_ids)
+        keep = None if everything else torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, positions, self.kv.layers, meta, keep)
+        prompt = compute(self.model.compute_logits, hidden, wanted) if wanted else []
+        if wanted and len(sample_rows) < len(input_ids):
+            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         sampled = [item.seq for item in batch.scheduled if item.samples]
         if not sampled:
-            return [], [], [], []
+            return [], [], [], [], prompt
         logits = self.model.compute_logits(hidden)
         generators: list[torch.Generator | None] = []
         for seq in sampled:
@@ -141,4 +150,4 @@ class ModelRunner:
             g.manual_seed(token_seed(seq.params.seed, seq.num_output_tokens))
             generators.append(g)
         history = [(s.token_ids, s.num_prompt_tokens) if s.params.adjusts_logits else None for s in sampled]
-        return (sampled, *sample(logits, [s.params for s in sampled], generators, history))
+        return (sampled, *sample(logits, [s.params for s in sampled], generators, history), prompt)

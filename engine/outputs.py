@@ -26,6 +26,10 @@ class RequestOutput:
     # On the output that carries a sequence's first sampled token: seconds from its first
     # scheduling to that token (0 otherwise), so a server needs no second call to learn it.
     prefill_s: float = 0.0
+    # On the first token's output, with params.prompt_logprobs: prompt token i's logprob and
+    # top logprobs at entry i - 1 (the first prompt token has none). None otherwise.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[dict[int, float]] | None = None
     # On a finishing output: the mean number of sequences in its decode steps (0: it had none).
     decode_batch: float = 0.0
     # A request streaming its KV (LLMEngine.add_request's stream_kv_from): what this step made

@@ -29,7 +29,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # OpenAI's logit_bias: token id -> added to its logit before sampling (-100 bans, +100 forces).
     logit_bias: dict[int, float] = field(default_factory=dict)
-
+    # vLLM's prompt_logprobs: each prompt token's logprob after the ones before it (the first has
+    # none) and this many most likely tokens there; what OpenAI's echo with logprobs returns.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,9 +47,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= 20):
-            raise InvalidRequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 20):
+                raise InvalidRequestError(f"{name} must be an integer in [0, 20], got {v!r}")
         if self.top_k == -1:
             self.top_k = 0
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)

@@ -39,6 +39,10 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks
     num_registered_blocks: int = 0  # leading blocks already published to the prefix cache
     output_logprobs: list[float] = field(default_factory=list)
+    # With params.prompt_logprobs: prompt token i's logprob (and top ones) at entry i - 1, filled
+    # as the chunks that predict them are computed (a preempted prompt's recompute adds none).
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
@@ -56,6 +60,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed: its prompt may not come from the
+        prefix cache, whose hits skip the rows that predict them."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

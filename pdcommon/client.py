@@ -40,11 +40,11 @@ def make_request(prompt: str | list[int], max_tokens: int = 16, temperature: flo
                  request_id: str = "", ignore_eos: bool = False, logprobs: int | None = None,
                  presence_penalty: float | None = None, frequency_penalty: float | None = None,
                  repetition_penalty: float | None = None, logit_bias: dict[int, float] | None = None,
-                 ) -> pb.GenerateRequest:
+                 prompt_logprobs: int | None = None) -> pb.GenerateRequest:
     sp = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop or [], ignore_eos=ignore_eos)
     for name, value in (("seed", seed), ("top_p", top_p), ("top_k", top_k), ("logprobs", logprobs),
                         ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                        ("repetition_penalty", repetition_penalty)):
+                        ("repetition_penalty", repetition_penalty), ("prompt_logprobs", prompt_logprobs)):
         if value is not None:
             setattr(sp, name, value)
     sp.logit_bias.update(logit_bias or {})

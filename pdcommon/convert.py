@@ -25,6 +25,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         logit_bias=dict(p.logit_bias),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -35,6 +36,8 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         p.seed = s.seed
     if s.logprobs is not None:
         p.logprobs = s.logprobs
+    if s.prompt_logprobs is not None:
+        p.prompt_logprobs = s.prompt_logprobs
     if s.adjusts_logits:
         p.presence_penalty, p.frequency_penalty = s.presence_penalty, s.frequency_penalty
         p.repetition_penalty = s.repetition_penalty
@@ -59,7 +62,8 @@ def first_token_to_proto(out: RequestOutput, prefill_s: float) -> wpb.FirstToken
     return wpb.FirstToken(token_id=out.new_token_ids[0], logprob=out.new_logprobs[0],
                           top_logprobs=pb.TopLogprobs(logprobs=top) if top else None, text=out.text_delta,
                           finish_reason=out.finish_reason or "", cached_tokens=out.num_cached_tokens,
-                          prefill_s=prefill_s)
+                          prefill_s=prefill_s, prompt_logprobs=out.prompt_logprobs or [],
+                          prompt_top_logprobs=top_to_proto(out.prompt_top_logprobs or []))
 
 
 def tokens_to_proto(outs: list[RequestOutput], **extra) -> wpb.DecodeTokens:

@@ -187,8 +187,9 @@ class EngineLoop:
             index = FIRST if first_here else d.next_index
             if not first_here:
                 d.next_index += len(out.new_token_ids)
-            # The last output ends the gRPC stream; top logprobs have no place in a token message.
-            if out.finished or any(out.new_top_logprobs):
+            # The last output ends the gRPC stream; top and prompt logprobs have no place in a
+            # token message.
+            if out.finished or any(out.new_top_logprobs) or out.prompt_logprobs is not None:
                 to_loop.append((out, index))
                 continue
             chunk = TokenChunk(index, out.new_token_ids, out.text_delta, out.new_logprobs)

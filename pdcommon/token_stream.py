@@ -61,6 +61,9 @@ class TokenChunk:
     # The FIRST chunk's prefill figures (FirstToken's).
     prefill_s: float = 0.0
     cached_tokens: int = 0
+    # ... and its prompt logprobs, when asked for (only ever on the gRPC stream).
+    prompt_logprobs: tuple = ()
+    prompt_top_logprobs: tuple = ()
 
 
 def pack(request_id: str, attempt: int, key: bytes, chunk: TokenChunk) -> list[bytes]:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdcommon.convert import params_to_proto
 from pdcommon.token_stream import TokenInbox
 from pdcommon.v1 import worker_pb2 as wpb
 from router.membership import Membership, WorkerRecord
@@ -81,7 +80,7 @@ class Admission:
         """Open a Decode call on `w`; a lease if it reserved room, None if it had none."""
         key = b"" if local else secrets.token_bytes(32)
         req = wpb.DecodeRequest(
-            request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=params_to_proto(st.params),
+            request_id=st.worker_request_id, prompt_token_ids=st.prompt, sampling=st.sampling(),
             transfer_timeout_s=self.transfer_timeout_s, attempt=st.attempt, prefill_here=local,
             resume_token_ids=st.sent_ids, transfer_key=key)
         inbox, tokens, lease = self.tokens, None, None

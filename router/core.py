@@ -20,7 +20,7 @@ import grpc
 
 from engine import KVLayout, ModelInfo
 from pdcommon.config import ClusterConfig
-from pdcommon.convert import layout_from_proto, params_to_proto
+from pdcommon.convert import layout_from_proto
 from pdcommon.grpc_server import message_options
 from pdcommon.security import ClusterIdentity
 from pdcommon.token_stream import FIRST, InOrder, TokenChunk
@@ -222,7 +222,7 @@ class RouterCore:
         st.prefill_rec = pw
         pw.served += 1
         req = wpb.PrefillRequest(request_id=st.worker_request_id, prompt_token_ids=st.prompt,
-                                 sampling=params_to_proto(st.params), transfer_timeout_s=self.cfg.transfer.timeout_s,
+                                 sampling=st.sampling(), transfer_timeout_s=self.cfg.transfer.timeout_s,
                                  attempt=st.attempt, resume_token_ids=st.sent_ids)
         if lease is not None:
             req.decode_transfer_address = lease.worker.transfer_address
@@ -266,7 +266,8 @@ class RouterCore:
     def _first_token(self, st: RequestState, ft: wpb.FirstToken) -> pb.GenerateResponse:
         """The token a prefill computed: the request's first, or the next one after a resume."""
         st.cached_tokens, st.prefill_s = ft.cached_tokens, ft.prefill_s
-        if st.first_sent is None:
+        fresh = st.first_sent is None  # not a resume after failover
+        if fresh:
             now = time.monotonic()
             st.queue_s = max(now - st.arrival - ft.prefill_s, 0.0)
             st.first_sent = st.last_token = now
@@ -279,6 +280,10 @@ class RouterCore:
                                   decode_worker=st.decode_worker)
         if ft.HasField("top_logprobs"):
             msg.top_logprobs.append(ft.top_logprobs)
+        if fresh and st.params.prompt_logprobs is not None:
+            msg.prompt_logprobs.extend(ft.prompt_logprobs)
+            msg.prompt_top_logprobs.extend(ft.prompt_top_logprobs)
+            msg.prompt_token_ids.extend(st.prompt)
         return self._finish(msg, st, ft.finish_reason) if ft.finish_reason else msg
 
     async def _relay(self, st: RequestState, lease: Lease):
@@ -464,11 +469,13 @@ def first_chunk(ft: wpb.FirstToken) -> TokenChunk:
     """A FirstToken from the call, as the chunk at FIRST the engine thread would have sent."""
     return TokenChunk(FIRST, [ft.token_id], ft.text, [ft.logprob], finish_reason=ft.finish_reason,
                       top_logprobs=(ft.top_logprobs,) if ft.HasField("top_logprobs") else (),
-                      prefill_s=ft.prefill_s, cached_tokens=ft.cached_tokens)
+                      prefill_s=ft.prefill_s, cached_tokens=ft.cached_tokens,
+                      prompt_logprobs=tuple(ft.prompt_logprobs), prompt_top_logprobs=tuple(ft.prompt_top_logprobs))
 
 
 def first_token(tok: TokenChunk) -> wpb.FirstToken:
     """The chunk at FIRST as the FirstToken the rest of the request path reads."""
     return wpb.FirstToken(token_id=tok.token_ids[0], logprob=tok.logprobs[0], text=tok.text,
                           top_logprobs=tok.top_logprobs[0] if tok.top_logprobs else None,
-                          finish_reason=tok.finish_reason, cached_tokens=tok.cached_tokens, prefill_s=tok.prefill_s)
+                          finish_reason=tok.finish_reason, cached_tokens=tok.cached_tokens, prefill_s=tok.prefill_s,
+                          prompt_logprobs=tok.prompt_logprobs, prompt_top_logprobs=tok.prompt_top_logprobs)

@@ -18,7 +18,7 @@ from pdcommon.v1 import router_pb2 as pb
 from router.auth import ApiKeys
 from router.core import RouterCore
 from router.metrics import RouterMetrics
-from router.openai_output import Reply, collect, event, logprobs, merged, usage_event
+from router.openai_output import Reply, collect, echoed, event, logprobs, merge_logprobs, merged, usage_event
 from router.openai_params import (
     ApiError,
     Limits,
@@ -166,6 +166,9 @@ class OpenAIApi:
             k = best_of(body, n, len(many))
             reqs = generate_requests(body, many, k, rid, self.limits, chat=False)
             reply = Reply(rid, int(time.time()), model, False, k, n, body.get("logprobs") is not None)
+            if boolean(body, "echo"):
+                decode = self.core.model.tokenizer.decode
+                reply.echo = [p if isinstance(p, str) else await self.core.offload(decode, p) for p in many]
             return await self._run(request, body, reqs, reply)
         except ApiError as e:
             return error_response(e, rid)
@@ -239,8 +242,12 @@ class OpenAIApi:
             async for i, msg in events:
                 if not started:
                     await resp.prepare(request)
+                echo, head = "", None
+                if reply.echo is not None and i not in started:
+                    echo, head, offsets[i] = echoed(tok, reply, i, msg)
                 lp, offsets[i] = logprobs(tok, msg, reply.chat, offsets[i], reply.logprobs)
-                await resp.write(event(reply, i, msg, lp, i not in started, include_usage))
+                lp = merge_logprobs([p for p in (head, lp) if p], False) if head else lp
+                await resp.write(event(reply, i, msg, lp, i not in started, include_usage, echo))
                 started.add(i)
                 if msg.finish_reason:
                     last[i] = msg

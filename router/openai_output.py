@@ -30,6 +30,7 @@ class Reply:
     n: int  # samples per prompt: usage counts each prompt's tokens once
     keep: int | None = None  # best_of: of each prompt's n samples, the `keep` likeliest are returned
     logprobs: bool = False  # the request asked for them (logprobs: 0 too: the chosen tokens' own)
+    echo: list[str] | None = None  # a completion's echo: each prompt's text, ahead of its choices'
 
     @property
     def head(self) -> dict:
@@ -64,7 +65,22 @@ def logprobs(tok, msg: pb.GenerateResponse, chat: bool, offset: int, want: bool 
             "text_offset": offsets}, offset
 
 
-def _merge(parts: list[dict], chat: bool) -> dict | None:
+def echoed(tok, reply: Reply, index: int, msg: pb.GenerateResponse) -> tuple[str, dict | None, int]:
+    """Echo: what goes ahead of a choice's first message: its prompt's text, and with logprobs
+    the prompt tokens' (the first has none: null, as OpenAI and vLLM give it), and the text
+    offset after them."""
+    prompt = reply.echo[index // reply.n] if reply.echo else ""
+    if not reply.logprobs or not msg.prompt_token_ids:
+        return prompt, None, 0
+    texts = token_texts(tok, list(msg.prompt_token_ids))
+    lps = [None, *msg.prompt_logprobs]
+    tops = [None] + [dict(zip(token_texts(tok, list(t.logprobs)), t.logprobs.values(), strict=True)) or {tx: lp}
+                     for t, tx, lp in zip(msg.prompt_top_logprobs, texts[1:], msg.prompt_logprobs, strict=True)]
+    offsets, offset = text_offsets(texts, 0)
+    return prompt, {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def merge_logprobs(parts: list[dict], chat: bool) -> dict | None:
     if not parts:
         return None
     if chat:
@@ -72,10 +88,15 @@ def _merge(parts: list[dict], chat: bool) -> dict | None:
     return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-async def _choice(tok, gen, index: int, chat: bool, want: bool) -> tuple[dict, pb.GenerateResponse | None, float]:
+async def _choice(tok, gen, index: int, reply: Reply) -> tuple[dict, pb.GenerateResponse | None, float]:
     """The choice, its last message, and its tokens' summed logprob (what best_of ranks by)."""
     out, finish, last, lps, offset, total = "", None, None, [], 0, 0.0
+    chat, want, first = reply.chat, reply.logprobs, True
     async for msg in gen:
+        if first and reply.echo is not None:
+            out, lp, offset = echoed(tok, reply, index, msg)
+            lps += [lp] if lp else []
+        first = False
         out += msg.text
         total += sum(msg.logprobs)
         lp, offset = logprobs(tok, msg, chat, offset, want)
@@ -83,7 +104,7 @@ async def _choice(tok, gen, index: int, chat: bool, want: bool) -> tuple[dict, p
             lps.append(lp)
         if msg.finish_reason:
             finish, last = msg.finish_reason, msg
-    choice = {"index": index, "finish_reason": finish, "logprobs": _merge(lps, chat)}
+    choice = {"index": index, "finish_reason": finish, "logprobs": merge_logprobs(lps, chat)}
     if chat:
         choice["message"] = {"role": "assistant", "content": out}
     else:
@@ -104,9 +125,9 @@ def _best(done: list[tuple[dict, pb.GenerateResponse | None, float]], n: int, ke
 async def collect(tok, gens: Sequence, reply: Reply) -> web.Response:
     """The whole answer as one body. Raises the first generation's failure (RequestFailed)."""
     if len(gens) == 1:
-        done = [await _choice(tok, gens[0], 0, reply.chat, reply.logprobs)]
+        done = [await _choice(tok, gens[0], 0, reply)]
     else:
-        tasks = [asyncio.ensure_future(_choice(tok, g, i, reply.chat, reply.logprobs)) for i, g in enumerate(gens)]
+        tasks = [asyncio.ensure_future(_choice(tok, g, i, reply)) for i, g in enumerate(gens)]
         try:
             done = await asyncio.gather(*tasks)
         except BaseException:
@@ -158,12 +179,13 @@ async def _stop(tasks: list[asyncio.Future]) -> None:
 
 
 def event(reply: Reply, index: int, msg: pb.GenerateResponse, lp: dict | None, first: bool,
-          include_usage: bool) -> bytes:
+          include_usage: bool, echo: str = "") -> bytes:
+    """One choice's message as an event; `echo` (the prompt's text) goes ahead of its text."""
     choice: dict = {"index": index, "finish_reason": msg.finish_reason or None, "logprobs": lp}
     if reply.chat:
         choice["delta"] = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
     else:
-        choice["text"] = msg.text
+        choice["text"] = echo + msg.text
     body = {**reply.head, "choices": [choice]}
     if include_usage:
         body["usage"] = None

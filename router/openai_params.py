@@ -23,7 +23,7 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 FIELDS = {"completion": COMMON | {"prompt", "echo", "best_of"},
           "chat": COMMON | {"messages", "top_logprobs", "max_completion_tokens"}}
 # Fields pdserve does not implement, with the values that leave them off.
-OFF_VALUES = {"suffix": ("",), "echo": (False,), "parallel_tool_calls": (False,),
+OFF_VALUES = {"suffix": ("",), "parallel_tool_calls": (False,),
               "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},)}
 
 
@@ -209,6 +209,8 @@ def generate_request(body: dict, prompt: str | list[int], rid: str, limits: Limi
         logprobs = (top if top is not None else 1) if want else None
     else:
         logprobs = integer(body, "logprobs", 0, MAX_LOGPROBS)
+    # echo with logprobs: the prompt's tokens' too, with as many alternatives.
+    prompt_logprobs = logprobs if not chat and boolean(body, "echo") else None
     top_k = integer(body, "top_k", -1, limits.vocab_size)
     if top_k == 0:
         raise bad("top_k", f"must be -1 (off) or an integer in [1, {limits.vocab_size}], got 0")
@@ -219,4 +221,4 @@ def generate_request(body: dict, prompt: str | list[int], rid: str, limits: Limi
                         presence_penalty=number(body, "presence_penalty", -2, 2),
                         frequency_penalty=number(body, "frequency_penalty", -2, 2),
                         repetition_penalty=number(body, "repetition_penalty", 0, 2, lo_open=True),
-                        logit_bias=logit_bias(body, limits.vocab_size))
+                        logit_bias=logit_bias(body, limits.vocab_size), prompt_logprobs=prompt_logprobs)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import SamplingParams
+from pdcommon.convert import params_to_proto
 from pdcommon.v1 import router_pb2 as pb
 
 
@@ -66,6 +67,14 @@ class RequestState:
     transfer_bytes: int = 0
     prefill_worker: str = ""
     decode_worker: str = ""
+
+    def sampling(self) -> pb.SamplingParams:
+        """The params a worker gets for this attempt: a resumed one (failover) owes no prompt
+        logprobs, which the first attempt delivered, and would count its resumed tokens in them."""
+        p = params_to_proto(self.params)
+        if self.sent_ids:
+            p.ClearField("prompt_logprobs")
+        return p
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         """Fail from outside the request's own task: record why, then cancel its worker calls

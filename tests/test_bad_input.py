@@ -76,7 +76,8 @@ COMPLETION_CASES = [
     ({"n": 0}, "n"),
     ({"n": 129}, "n"),
     ({"n": "two"}, "n"),
-    ({"echo": True}, "echo"),
+    ({"echo": "yes"}, "echo"),
+    ({"suffix": "The end."}, "suffix"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"no_such_field": 1}, "no_such_field"),
 ]

@@ -24,3 +24,16 @@ def test_one_output_is_one_message_and_unfinished_has_no_reason():
     msg = tokens_to_proto([_out([9], " x")], kv_transfer_bytes=10)
     assert list(msg.token_ids) == [9] and msg.text == " x" and not msg.finish_reason and not msg.top_logprobs
     assert msg.kv_transfer_bytes == 10
+
+
+def test_a_resumed_attempt_asks_no_prompt_logprobs():
+    """The first attempt delivered them with the first token; a retry after failover resumes
+    with the client's tokens appended to the prompt, whose logprobs nobody asked for (and which
+    would keep that prompt from the prefix cache)."""
+    from engine import SamplingParams
+    from router.request import RequestState
+
+    st = RequestState("r", [1, 2, 3], SamplingParams(prompt_logprobs=2), deadline=0.0, arrival=0.0)
+    assert st.sampling().prompt_logprobs == 2
+    st.sent_ids += [7, 8]
+    assert not st.sampling().HasField("prompt_logprobs") and st.sampling().max_tokens == 16

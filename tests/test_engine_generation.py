@@ -433,3 +433,39 @@ def test_gemm_layout_resolution(stories_path):
     assert LLMEngine(EngineConfig(model=stories_path, dtype="bfloat16", cpu_gemm="both")).gemm_layout == bf16
     with pytest.raises(ValueError, match="cpu_gemm"):
         EngineConfig(model=stories_path, cpu_gemm="fast")
+
+
+@pytest.mark.parametrize("chunk", [7, None])
+def test_prompt_logprobs_match_hf(stories_path, story_ids, chunk):
+    """vLLM's prompt_logprobs: every prompt token's logprob after the ones before it, and the top
+    ones there, as transformers' forward gives them; over chunks (7 tokens a step, mixed with
+    other prompts), and for a prompt whose blocks are in the prefix cache (its hits would skip
+    the rows that predict them, so it takes none), and not twice after a preemption's recompute."""
+    prompt = story_ids[:150]
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(stories_path)(torch.tensor([prompt])).logits[0].float(), -1)
+    want = [ref[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+    top3 = [dict(zip(*(t.tolist() for t in reversed(ref[i].topk(3))), strict=True)) for i in range(len(prompt) - 1)]
+    eng = LLMEngine(EngineConfig(model=stories_path, block_size=16, prefill_chunk_size=chunk,
+                                 max_num_batched_tokens=64 if chunk else 512))
+    plain = SamplingParams(max_tokens=4, temperature=0)
+    asked = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=3)
+    eng.generate([prompt], plain)  # its blocks now in the prefix cache
+    outs = eng.generate([story_ids[200:260], prompt, prompt[:1]], [plain, asked, asked])
+    assert "prompt_logprobs" not in outs[0] and outs[2]["prompt_logprobs"] == []
+    got = outs[1]
+    assert got["num_cached_tokens"] == 0 and len(got["prompt_logprobs"]) == len(prompt) - 1
+    assert max(abs(a - b) for a, b in zip(got["prompt_logprobs"], want, strict=True)) < 1e-4
+    for ours, theirs in zip(got["prompt_top_logprobs"], top3, strict=True):
+        assert ours.keys() == theirs.keys() and max(abs(ours[t] - theirs[t]) for t in ours) < 1e-4
+    assert got["token_ids"] == hf_greedy(stories_path, prompt, 4)["token_ids"]
+    zero = eng.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    assert zero["prompt_top_logprobs"] == [{}] * (len(prompt) - 1)
+    # A pool too small for both: one is preempted and recomputed; its logprobs come once.
+    tiny = LLMEngine(EngineConfig(model=stories_path, block_size=16, num_kv_blocks=14, max_num_batched_tokens=64,
+                                  enable_prefix_caching=False))
+    both = tiny.generate([prompt, story_ids[:100]], [SamplingParams(max_tokens=60, temperature=0,
+                                                                    prompt_logprobs=1, ignore_eos=True)] * 2)
+    assert tiny.num_preemptions > 0
+    assert max(abs(a - b) for a, b in zip(both[0]["prompt_logprobs"], want, strict=True)) < 1e-4
+    assert len(both[1]["prompt_logprobs"]) == 99

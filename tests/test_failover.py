@@ -16,8 +16,10 @@ from pdcommon.client import make_request
 from tests.cluster_utils import InProcessCluster, ProcessCluster, make_config, wait_pools_empty
 
 STALL_S = 1.5
+# The third asks for prompt logprobs: delivered once, with the first token, whatever happens after.
 REQUESTS = [dict(max_tokens=300, temperature=0.0), dict(max_tokens=300, temperature=0.9, seed=5),
-            dict(max_tokens=300, temperature=0.0), dict(max_tokens=300, temperature=0.7, top_k=40, seed=9)]
+            dict(max_tokens=300, temperature=0.0, prompt_logprobs=1),
+            dict(max_tokens=300, temperature=0.7, top_k=40, seed=9)]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def refs(stories_path, story):
     eng = LLMEngine(EngineConfig(model=stories_path))
     prompts = [story[: 20 + 7 * i] for i in range(len(REQUESTS))]
     outs = eng.generate(prompts, [SamplingParams(ignore_eos=True, **kw) for kw in REQUESTS])
-    return prompts, [o["token_ids"] for o in outs]
+    return prompts, [(o["token_ids"], o.get("prompt_logprobs", [])) for o in outs]
 
 
 HEARTBEAT_WINDOW_S = 8.0  # longer than any gap these tests allow: the stall timeout must be what fires
@@ -54,7 +56,7 @@ def _run_all(cluster, prompts, started: threading.Event | None = None) -> list:
 
     def one(i: int) -> None:
         with cluster.client() as c:
-            out, gap, last = [], 0.0, None
+            out, gap, last, plps = [], 0.0, None, []
             kw = REQUESTS[i % len(REQUESTS)]
             for msg in c.stream(make_request(prompts[i], ignore_eos=True, **kw), timeout=120):
                 now = time.monotonic()
@@ -62,10 +64,11 @@ def _run_all(cluster, prompts, started: threading.Event | None = None) -> list:
                     gap = max(gap, now - last)
                 last = now
                 out += msg.token_ids
+                plps += msg.prompt_logprobs
                 if len(out) >= 5:
                     seen[i].set()
                 if msg.finish_reason:
-                    results[i] = (out, gap)
+                    results[i] = (out, gap, plps)
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futs = [pool.submit(one, i) for i in range(len(prompts))]
@@ -76,6 +79,12 @@ def _run_all(cluster, prompts, started: threading.Event | None = None) -> list:
         for f in futs:
             f.result(180)  # raises if a client saw an error
     return results
+
+
+def _same(got: tuple, expect: tuple, why: str = "") -> None:
+    (tokens, _, plps), (want, want_plps) = got, expect
+    assert tokens == want, why
+    assert plps == pytest.approx(want_plps, abs=1e-5), why
 
 
 def _serving(cluster, role: str) -> str:
@@ -96,9 +105,9 @@ def test_decode_worker_lost_mid_stream_is_invisible(cluster, refs, sig):
     t0 = time.monotonic()
     results = _run_all(cluster, prompts, started)
     t.join()
-    for i, (tokens, _) in enumerate(results):
-        assert tokens == expect[i], f"request {i} ({REQUESTS[i]}) differs after failover"
-    worst = max(gap for _, gap in results)
+    for i, got in enumerate(results):
+        _same(got, expect[i], f"request {i} ({REQUESTS[i]}) differs after failover")
+    worst = max(gap for _, gap, _ in results)
     assert worst < STALL_S + 3.0 < HEARTBEAT_WINDOW_S, f"a client waited {worst:.1f}s for its next token"
     assert time.monotonic() - t0 < 60
     if sig == signal.SIGSTOP:
@@ -118,8 +127,8 @@ def test_frozen_prefill_worker_is_retried_elsewhere(cluster, refs):
         results = _run_all(cluster, prompts)
     finally:
         cluster.signal("prefill-0", signal.SIGCONT)
-    for i, (tokens, _) in enumerate(results):
-        assert tokens == expect[i]
+    for i, got in enumerate(results):
+        _same(got, expect[i])
     cluster.wait_workers(4, timeout=30)
     with cluster.client() as c:
         wait_pools_empty(c)
@@ -151,8 +160,8 @@ def test_requests_waiting_on_a_frozen_decode_worker_move_on(cluster, refs):
         assert time.monotonic() - t0 < 30
     finally:
         cluster.signal("decode-0", signal.SIGCONT)
-    for i, (tokens, _) in enumerate(results):
-        assert tokens == expect[i % len(expect)]
+    for i, got in enumerate(results):
+        _same(got, expect[i % len(expect)])
     cluster.wait_workers(4, timeout=30)
     with cluster.client() as c:
         wait_pools_empty(c)

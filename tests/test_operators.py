@@ -176,6 +176,33 @@ def test_penalties_through_the_cluster_equal_the_engine(oai, stories_path):
     assert oai.completions.create(**kw, logit_bias={str(first): -100}).choices[0].text == ban != plain
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(oai, stories_path):
+    """echo: the prompt's text ahead of the completion's and, with logprobs, the prompt tokens'
+    (computed by the prefill worker; the first token's is null, as OpenAI and vLLM give it), as
+    one engine's prompt_logprobs; streamed, the first event carries them. What lm-eval-harness's
+    loglikelihood tasks ask a completions server for."""
+    prompt = "Once upon a time, there was a little girl"
+    eng = LLMEngine(EngineConfig(model=stories_path))
+    ids = eng.tokenize(prompt)
+    ref = eng.generate([ids], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2))[0]
+    kw = {"model": "stories260K", "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True}
+    r = oai.completions.create(**kw, logprobs=2).choices[0]
+    assert r.text == prompt + ref["text"]
+    lp = r.logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:len(ids)], ref["prompt_logprobs"], strict=True)) < 1e-5
+    assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert oai.completions.create(**kw).choices[0].text == prompt + ref["text"]  # echo alone: no logprobs needed
+    events = list(oai.completions.create(**kw, logprobs=0, stream=True))
+    assert "".join(e.choices[0].text for e in events) == prompt + ref["text"]
+    first = events[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None and first.tokens[:len(ids)] == lp.tokens[:len(ids)]
+    two = oai.completions.create(**{**kw, "prompt": [prompt, ids[:4]]}, logprobs=1).choices  # a batch, ids too
+    assert two[0].text == r.text and two[1].logprobs.tokens[:4] == lp.tokens[:4]
+    assert two[1].logprobs.token_logprobs[:4] == pytest.approx(lp.token_logprobs[:4], abs=1e-5)
+
+
 def test_chat_without_template_is_a_clear_error(oai):
     with pytest.raises(openai.BadRequestError) as ei:
         oai.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "hi"}])

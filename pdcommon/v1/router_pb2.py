@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdcommon/v1/router.proto\x12\npdserve.v1\"\xab\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penalty\"P\n\nSloTargets\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x02H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"\xbd\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12#\n\x03slo\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.SloTargetsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"w\n\x0bTopLogprobs\x12\x37\n\x08logprobs\x18\x01 \x03(\x0b\x32%.pdserve.v1.TopLogprobs.LogprobsEntry\x1a/\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"k\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x04\"g\n\x07Timings\x12\r\n\x05queue\x18\x01 \x01(\x01\x12\x0f\n\x07prefill\x18\x02 \x01(\x01\x12\x13\n\x0bkv_transfer\x18\x03 \x01(\x01\x12\x0c\n\x04ttft\x18\x04 \x01(\x01\x12\x0c\n\x04tpot\x18\x05 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x06 \x01(\x01\"\xa7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x15\n\rdecode_worker\x18\n \x01(\t\x12\x0f\n\x07slo_met\x18\x0b \x01(\x08\"\x0f\n\rHealthRequest\"P\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\x90\x04\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0bused_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\x12\x10\n\x08kv_usage\x18\x0b \x01(\x02\x12\x17\n\x0frequests_served\x18\x0c \x01(\x04\x12\x10\n\x08inflight\x18\r \x01(\r\x12\x1c\n\x14last_heartbeat_age_s\x18\x0e \x01(\x01\x12\x16\n\x0eprefix_queries\x18\x0f \x01(\x04\x12\x13\n\x0bprefix_hits\x18\x10 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x11 \x01(\r\x12\x15\n\rorphan_blocks\x18\x12 \x01(\r\x12\x19\n\x11partial_transfers\x18\x13 \x01(\r\x12\x14\n\x0cpeer_sockets\x18\x14 \x01(\r\x12\x10\n\x08open_fds\x18\x15 \x01(\r\x12\x11\n\trss_bytes\x18\x16 \x01(\x04\x12\x17\n\x0fkv_shared_peers\x18\x17 \x01(\r\x12\x19\n\x11gc_frozen_objects\x18\x18 \x01(\x04\"E\n\nPoolStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x17\n\x0ftarget_replicas\x18\x03 \x01(\r\"\xb4\x02\n\x15\x43lusterStatusResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x14\n\x0chttp_address\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x17\n\x0f\x63ontrol_address\x18\n \x01(\t\x12\x15\n\rsecurity_mode\x18\x0b \x01(\t\x12\x0f\n\x07planner\x18\x0c \x01(\t\".\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"S\n\rScaleResponse\x12\x10\n\x08previous\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\x12\x0e\n\x06\x61\x64\x64ing\x18\x03 \x03(\t\x12\x10\n\x08\x64raining\x18\x04 \x03(\t2\xe8\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdcommon/v1/router.proto\x12\npdserve.v1\"\xdd\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12=\n\nlogit_bias\x18\r \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"P\n\nSloTargets\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x02 \x01(\x02H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"\xbd\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12#\n\x03slo\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.SloTargetsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"w\n\x0bTopLogprobs\x12\x37\n\x08logprobs\x18\x01 \x03(\x0b\x32%.pdserve.v1.TopLogprobs.LogprobsEntry\x1a/\n\rLogprobsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"k\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x19\n\x11kv_transfer_bytes\x18\x04 \x01(\x04\"g\n\x07Timings\x12\r\n\x05queue\x18\x01 \x01(\x01\x12\x0f\n\x07prefill\x18\x02 \x01(\x01\x12\x13\n\x0bkv_transfer\x18\x03 \x01(\x01\x12\x0c\n\x04ttft\x18\x04 \x01(\x01\x12\x0c\n\x04tpot\x18\x05 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x06 \x01(\x01\"\x90\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x16\n\x0eprefill_worker\x18\t \x01(\t\x12\x15\n\rdecode_worker\x18\n \x01(\t\x12\x0f\n\x07slo_met\x18\x0b \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x0c \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\r \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0e \x03(\r\"\x0f\n\rHealthRequest\"P\n\x0eHealthResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x17\n\x0fprefill_workers\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x03 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\x90\x04\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x13\n\x0bused_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\x12\x10\n\x08kv_usage\x18\x0b \x01(\x02\x12\x17\n\x0frequests_served\x18\x0c \x01(\x04\x12\x10\n\x08inflight\x18\r \x01(\r\x12\x1c\n\x14last_heartbeat_age_s\x18\x0e \x01(\x01\x12\x16\n\x0eprefix_queries\x18\x0f \x01(\x04\x12\x13\n\x0bprefix_hits\x18\x10 \x01(\x04\x12\x17\n\x0freserved_blocks\x18\x11 \x01(\r\x12\x15\n\rorphan_blocks\x18\x12 \x01(\r\x12\x19\n\x11partial_transfers\x18\x13 \x01(\r\x12\x14\n\x0cpeer_sockets\x18\x14 \x01(\r\x12\x10\n\x08open_fds\x18\x15 \x01(\r\x12\x11\n\trss_bytes\x18\x16 \x01(\x04\x12\x17\n\x0fkv_shared_peers\x18\x17 \x01(\r\x12\x19\n\x11gc_frozen_objects\x18\x18 \x01(\x04\"E\n\nPoolStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x17\n\x0ftarget_replicas\x18\x03 \x01(\r\"\xb4\x02\n\x15\x43lusterStatusResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x17\n\x0fqueued_requests\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x0c\n\x04mode\x18\x06 \x01(\t\x12\x14\n\x0chttp_address\x18\x07 \x01(\t\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x17\n\x0f\x63ontrol_address\x18\n \x01(\t\x12\x15\n\rsecurity_mode\x18\x0b \x01(\t\x12\x0f\n\x07planner\x18\x0c \x01(\t\".\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"S\n\rScaleResponse\x12\x10\n\x08previous\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\x12\x0e\n\x06\x61\x64\x64ing\x18\x03 \x03(\t\x12\x10\n\x08\x64raining\x18\x04 \x03(\t2\xe8\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,41 +36,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPLOGPROBS_LOGPROBSENTRY']._loaded_options = None
   _globals['_TOPLOGPROBS_LOGPROBSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=596
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=409
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=457
-  _globals['_SLOTARGETS']._serialized_start=598
-  _globals['_SLOTARGETS']._serialized_end=678
-  _globals['_GENERATEREQUEST']._serialized_start=681
-  _globals['_GENERATEREQUEST']._serialized_end=870
-  _globals['_TOKENIDS']._serialized_start=872
-  _globals['_TOKENIDS']._serialized_end=895
-  _globals['_TOPLOGPROBS']._serialized_start=897
-  _globals['_TOPLOGPROBS']._serialized_end=1016
-  _globals['_TOPLOGPROBS_LOGPROBSENTRY']._serialized_start=969
-  _globals['_TOPLOGPROBS_LOGPROBSENTRY']._serialized_end=1016
-  _globals['_USAGE']._serialized_start=1018
-  _globals['_USAGE']._serialized_end=1125
-  _globals['_TIMINGS']._serialized_start=1127
-  _globals['_TIMINGS']._serialized_end=1230
-  _globals['_GENERATERESPONSE']._serialized_start=1233
-  _globals['_GENERATERESPONSE']._serialized_end=1528
-  _globals['_HEALTHREQUEST']._serialized_start=1530
-  _globals['_HEALTHREQUEST']._serialized_end=1545
-  _globals['_HEALTHRESPONSE']._serialized_start=1547
-  _globals['_HEALTHRESPONSE']._serialized_end=1627
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1629
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1651
-  _globals['_WORKERSTATUS']._serialized_start=1654
-  _globals['_WORKERSTATUS']._serialized_end=2182
-  _globals['_POOLSTATUS']._serialized_start=2184
-  _globals['_POOLSTATUS']._serialized_end=2253
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2256
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2564
-  _globals['_SCALEREQUEST']._serialized_start=2566
-  _globals['_SCALEREQUEST']._serialized_end=2612
-  _globals['_SCALERESPONSE']._serialized_start=2614
-  _globals['_SCALERESPONSE']._serialized_end=2697
-  _globals['_ROUTER']._serialized_start=2700
-  _globals['_ROUTER']._serialized_end=2932
+  _globals['_SAMPLINGPARAMS']._serialized_end=646
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=439
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=487
+  _globals['_SLOTARGETS']._serialized_start=648
+  _globals['_SLOTARGETS']._serialized_end=728
+  _globals['_GENERATEREQUEST']._serialized_start=731
+  _globals['_GENERATEREQUEST']._serialized_end=920
+  _globals['_TOKENIDS']._serialized_start=922
+  _globals['_TOKENIDS']._serialized_end=945
+  _globals['_TOPLOGPROBS']._serialized_start=947
+  _globals['_TOPLOGPROBS']._serialized_end=1066
+  _globals['_TOPLOGPROBS_LOGPROBSENTRY']._serialized_start=1019
+  _globals['_TOPLOGPROBS_LOGPROBSENTRY']._serialized_end=1066
+  _globals['_USAGE']._serialized_start=1068
+  _globals['_USAGE']._serialized_end=1175
+  _globals['_TIMINGS']._serialized_start=1177
+  _globals['_TIMINGS']._serialized_end=1280
+  _globals['_GENERATERESPONSE']._serialized_start=1283
+  _globals['_GENERATERESPONSE']._serialized_end=1683
+  _globals['_HEALTHREQUEST']._serialized_start=1685
+  _globals['_HEALTHREQUEST']._serialized_end=1700
+  _globals['_HEALTHRESPONSE']._serialized_start=1702
+  _globals['_HEALTHRESPONSE']._serialized_end=1782
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1784
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1806
+  _globals['_WORKERSTATUS']._serialized_start=1809
+  _globals['_WORKERSTATUS']._serialized_end=2337
+  _globals['_POOLSTATUS']._serialized_start=2339
+  _globals['_POOLSTATUS']._serialized_end=2408
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2411
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2719
+  _globals['_SCALEREQUEST']._serialized_start=2721
+  _globals['_SCALEREQUEST']._serialized_end=2767
+  _globals['_SCALERESPONSE']._serialized_start=2769
+  _globals['_SCALERESPONSE']._serialized_end=2852
+  _globals['_ROUTER']._serialized_start=2855
+  _globals['_ROUTER']._serialized_end=3087
 # @@protoc_insertion_point(module_scope)

@@ -108,7 +108,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_router_pb2.SamplingParams, _Mapping]] = ..., decode_transfer_address: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., transfer_timeout_s: _Optional[float] = ..., attempt: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., transfer_key: _Optional[bytes] = ..., decode_transfer_public_key: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "text", "finish_reason", "cached_tokens", "prefill_s")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "text", "finish_reason", "cached_tokens", "prefill_s", "prompt_logprobs", "prompt_top_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,8 @@ class FirstToken(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _router_pb2.TopLogprobs
@@ -123,7 +125,9 @@ class FirstToken(_message.Message):
     finish_reason: str
     cached_tokens: int
     prefill_s: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[_router_pb2.TopLogprobs, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_router_pb2.TopLogprobs]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Union[_router_pb2.TopLogprobs, _Mapping]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_router_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first",)
