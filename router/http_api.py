@@ -29,6 +29,7 @@ from router.openai_params import (
     choices,
     generate_requests,
     prompts,
+    scored_only,
     stream_options,
     text,
 )
@@ -169,6 +170,7 @@ class OpenAIApi:
             if boolean(body, "echo"):
                 decode = self.core.model.tokenizer.decode
                 reply.echo = [p if isinstance(p, str) else await self.core.offload(decode, p) for p in many]
+                reply.generated = not scored_only(body)
             return await self._run(request, body, reqs, reply)
         except ApiError as e:
             return error_response(e, rid)
@@ -245,7 +247,7 @@ class OpenAIApi:
                 echo, head = "", None
                 if reply.echo is not None and i not in started:
                     echo, head, offsets[i] = echoed(tok, reply, i, msg)
-                lp, offsets[i] = logprobs(tok, msg, reply.chat, offsets[i], reply.logprobs)
+                lp, offsets[i] = logprobs(tok, msg, reply.chat, offsets[i], reply.logprobs and reply.generated)
                 lp = merge_logprobs([p for p in (head, lp) if p], False) if head else lp
                 await resp.write(event(reply, i, msg, lp, i not in started, include_usage, echo))
                 started.add(i)

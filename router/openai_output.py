@@ -31,6 +31,7 @@ class Reply:
     keep: int | None = None  # best_of: of each prompt's n samples, the `keep` likeliest are returned
     logprobs: bool = False  # the request asked for them (logprobs: 0 too: the chosen tokens' own)
     echo: list[str] | None = None  # a completion's echo: each prompt's text, ahead of its choices'
+    generated: bool = True  # False: echo with max_tokens 0; the token generated is left out
 
     @property
     def head(self) -> dict:
@@ -38,11 +39,11 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(last: Sequence[pb.GenerateResponse | None], n: int) -> dict:
+def usage(last: Sequence[pb.GenerateResponse | None], n: int, generated: bool = True) -> dict:
     """Summed over the choices; a prompt's own tokens (and its cache hits) once, not once per sample."""
     firsts = [m for i, m in enumerate(last) if m is not None and i % n == 0]
     prompt = sum(m.usage.prompt_tokens for m in firsts)
-    completion = sum(m.usage.completion_tokens for m in last if m is not None)
+    completion = sum(m.usage.completion_tokens for m in last if m is not None) if generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(m.usage.cached_tokens for m in firsts)}}
 
@@ -97,13 +98,15 @@ async def _choice(tok, gen, index: int, reply: Reply) -> tuple[dict, pb.Generate
             out, lp, offset = echoed(tok, reply, index, msg)
             lps += [lp] if lp else []
         first = False
+        if msg.finish_reason:
+            finish, last = msg.finish_reason, msg
+        if not reply.generated:
+            continue
         out += msg.text
         total += sum(msg.logprobs)
         lp, offset = logprobs(tok, msg, chat, offset, want)
         if lp:
             lps.append(lp)
-        if msg.finish_reason:
-            finish, last = msg.finish_reason, msg
     choice = {"index": index, "finish_reason": finish, "logprobs": merge_logprobs(lps, chat)}
     if chat:
         choice["message"] = {"role": "assistant", "content": out}
@@ -135,7 +138,7 @@ async def collect(tok, gens: Sequence, reply: Reply) -> web.Response:
             raise
     picked = [c for c, _, _ in done] if reply.keep in (None, reply.n) else _best(done, reply.n, reply.keep)
     return web.json_response({**reply.head, "object": "chat.completion" if reply.chat else "text_completion",
-                              "choices": picked, "usage": usage([m for _, m, _ in done], reply.n)},
+                              "choices": picked, "usage": usage([m for _, m, _ in done], reply.n, reply.generated)},
                              headers={"X-Request-Id": reply.id})
 
 
@@ -185,7 +188,7 @@ def event(reply: Reply, index: int, msg: pb.GenerateResponse, lp: dict | None, f
     if reply.chat:
         choice["delta"] = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
     else:
-        choice["text"] = echo + msg.text
+        choice["text"] = echo + msg.text if reply.generated else echo
     body = {**reply.head, "choices": [choice]}
     if include_usage:
         body["usage"] = None
@@ -193,4 +196,5 @@ def event(reply: Reply, index: int, msg: pb.GenerateResponse, lp: dict | None, f
 
 
 def usage_event(reply: Reply, last: Sequence[pb.GenerateResponse | None]) -> bytes:
-    return f"data: {json.dumps({**reply.head, 'choices': [], 'usage': usage(last, reply.n)})}\n\n".encode()
+    body = {**reply.head, "choices": [], "usage": usage(last, reply.n, reply.generated)}
+    return f"data: {json.dumps(body)}\n\n".encode()

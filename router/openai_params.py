@@ -170,6 +170,11 @@ class Limits:
     max_model_len: int
 
 
+def scored_only(body: dict) -> bool:
+    """A completion with echo and max_tokens 0: the prompt, nothing generated."""
+    return boolean(body, "echo") and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+
+
 def stream_options(body: dict) -> bool:
     """include_usage of a valid stream_options object."""
     opts = body.get("stream_options")
@@ -202,7 +207,10 @@ def generate_request(body: dict, prompt: str | list[int], rid: str, limits: Limi
     stream_options(body)
     ctx = f" (the model's context length is {limits.max_model_len})"
     max_tokens = integer(body, "max_completion_tokens", 1, limits.max_model_len, why=ctx) if chat else None
-    max_tokens = max_tokens or integer(body, "max_tokens", 1, limits.max_model_len, 16, why=ctx)
+    echo = not chat and boolean(body, "echo")
+    # max_tokens 0 with echo scores the prompt alone (vLLM's way): one token is generated, and
+    # left out of the response (scored_only).
+    max_tokens = max_tokens or integer(body, "max_tokens", 0 if echo else 1, limits.max_model_len, 16, why=ctx) or 1
     if chat:
         want = boolean(body, "logprobs")
         top = integer(body, "top_logprobs", 0, MAX_LOGPROBS)
@@ -210,7 +218,7 @@ def generate_request(body: dict, prompt: str | list[int], rid: str, limits: Limi
     else:
         logprobs = integer(body, "logprobs", 0, MAX_LOGPROBS)
     # echo with logprobs: the prompt's tokens' too, with as many alternatives.
-    prompt_logprobs = logprobs if not chat and boolean(body, "echo") else None
+    prompt_logprobs = logprobs if echo else None
     top_k = integer(body, "top_k", -1, limits.vocab_size)
     if top_k == 0:
         raise bad("top_k", f"must be -1 (off) or an integer in [1, {limits.vocab_size}], got 0")

@@ -201,6 +201,14 @@ def test_echo_returns_the_prompt_and_its_logprobs(oai, stories_path):
     two = oai.completions.create(**{**kw, "prompt": [prompt, ids[:4]]}, logprobs=1).choices  # a batch, ids too
     assert two[0].text == r.text and two[1].logprobs.tokens[:4] == lp.tokens[:4]
     assert two[1].logprobs.token_logprobs[:4] == pytest.approx(lp.token_logprobs[:4], abs=1e-5)
+    # max_tokens 0 with echo scores the prompt alone (vLLM's way); without echo it is still refused.
+    for stream in (False, True):
+        got = oai.completions.create(**{**kw, "max_tokens": 0}, logprobs=1, stream=stream)
+        c = next(iter(got)).choices[0] if stream else got.choices[0]
+        assert c.text == prompt and c.logprobs.tokens == lp.tokens[:len(ids)] and c.finish_reason == "length"
+    assert oai.completions.create(**{**kw, "max_tokens": 0}).usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        oai.completions.create(**{**kw, "max_tokens": 0, "echo": False})
 
 
 def test_chat_without_template_is_a_clear_error(oai):
