@@ -62,7 +62,7 @@ class RouterCore:
         self.planner_status = ""  # the planner's mode and last decision, JSON (router/autoscale.py)
         self.http_address = ""
         self.control_address = ""
-        self.intake = Intake(self.model, cfg.router.request_timeout_s, self.block_size)
+        self.intake = Intake(self.model, cfg.router.request_timeout_s, self.block_size, cfg.router.max_request_bytes)
 
     @property
     def waiting(self) -> int:

@@ -26,11 +26,16 @@ MAX_CHARS_PER_TOKEN = 256
 # hop to the pool thread and back cost more than that on a busy 2-core host. Longer ones go to
 # the pool, so a huge prompt never stalls heartbeats or other streams.
 INLINE_TOKENIZE_CHARS = 2048
+# Wire bytes of one prompt position's logprob with k alternatives (a float, and a map of k
+# uint32 -> float entries of ~11 bytes each): they come in the worker's one FirstToken message.
+PROMPT_LOGPROB_BYTES = (7, 11)
 
 
 class Intake:
-    def __init__(self, model: ModelInfo, request_timeout_s: float, block_size: int) -> None:
+    def __init__(self, model: ModelInfo, request_timeout_s: float, block_size: int,
+                 max_message_bytes: int = 16 << 20) -> None:
         self.model, self.request_timeout_s, self.block_size = model, request_timeout_s, block_size
+        self.max_message_bytes = max_message_bytes
         self._cpu = ThreadPoolExecutor(2, thread_name_prefix="router-cpu")
 
     async def offload(self, fn, *args):
@@ -68,6 +73,18 @@ class Intake:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"top_k must be -1 (off) or in "
                                 f"[1, {self.model.vocab_size}], got {request.sampling.top_k}")
 
+    def _check_prompt_logprobs(self, k: int | None, prompt_len: int) -> None:
+        """Refused here, by name, when they could not fit the one message that carries them (a
+        worker would fail to send it, and every retry with it)."""
+        if k is None:
+            return
+        size = prompt_len * (PROMPT_LOGPROB_BYTES[0] + PROMPT_LOGPROB_BYTES[1] * k)
+        if size > self.max_message_bytes // 2:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt_logprobs: {prompt_len} prompt tokens with {k} alternatives each come to "
+                                f"about {size >> 10} KiB, more than half the cluster's message limit "
+                                f"(router.max_request_bytes: {self.max_message_bytes >> 10} KiB); ask for fewer")
+
     async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which is None:
@@ -96,6 +113,7 @@ class Intake:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                                 f"the model's context length {self.model.max_model_len}")
+        self._check_prompt_logprobs(params.prompt_logprobs, len(prompt))
         if params.seed is None and not params.greedy:
             # Fixing the seed here makes a retried request draw the same tokens.
             params.seed = random.getrandbits(62)

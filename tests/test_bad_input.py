@@ -128,6 +128,21 @@ def test_grpc_garbage_and_bad_values_are_invalid_argument(cluster):
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in ei.value.details()
 
 
+def test_prompt_logprobs_past_the_message_limit_are_refused_by_name(stories_path, story):
+    """A prompt's logprobs come in one worker message: more than it can carry is an
+    INVALID_ARGUMENT naming prompt_logprobs (HTTP: echo's logprobs), not a worker failure retried
+    on every worker. Here the limit is 64 KiB: 400 tokens fit with 2 alternatives, not with 20."""
+    with InProcessCluster(make_config(stories_path, **{"router.max_request_bytes": 65536})) as c, c.client() as cl:
+        ok = cl.generate(make_request(story[:400], max_tokens=2, prompt_logprobs=2), timeout=30)
+        assert ok.token_ids
+        with pytest.raises(grpc.RpcError) as ei:
+            cl.generate(make_request(story[:400], max_tokens=2, prompt_logprobs=20), timeout=30)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in ei.value.details()
+        body = {"prompt": story[:400], "max_tokens": 2, "echo": True, "logprobs": 20}
+        status, out, _ = post(c.core.http_address + "/v1/completions", body)
+        assert status == 400 and "prompt_logprobs" in out["error"]["message"], out
+
+
 def test_five_megabyte_prompt_is_refused_while_streams_continue(cluster, stories_path):
     ref = LLMEngine(EngineConfig(model=stories_path)).generate(
         ["Once upon a time"], SamplingParams(max_tokens=300, temperature=0, ignore_eos=True))[0]["token_ids"]
