@@ -478,6 +478,27 @@ def test_the_error_budget_spends_a_surplus_and_never_plans_above_the_target():
     assert missed.aim == 0.9
 
 
+def test_a_big_bad_block_leaves_no_offset_once_good_blocks_follow():
+    """One block of many requests all missing (a burst that the model said the pool would
+    carry) among blocks that met: the offset is the median of recent blocks, so it is gone
+    once good blocks follow. A mean weighed by requests kept the one block's say (-0.10 six
+    blocks on): at 512 workers the Azure code trace's burst held the prefill model untrusted
+    for half an hour and grew the pool to 696 workers where the static split has 365."""
+    p = planner(min_samples=20, prefill={"max_replicas": 64})
+    rng, prof, cur = random.Random(2), profile(), {"prefill": 12, "decode": 4}
+    for i in range(8):
+        obs = interval(i, 20, 512, 32, rng)  # 600 requests a block
+        bad = i == 1
+        alone = [prof.prefill_seconds(a.prompt_len, 0, 2048) for a in obs.arrivals]
+        wait = [10 * s if bad else 0.0 for s in alone]  # queued: its prefill took what the profile says
+        fin = [Finished(a.prompt_len, a.output_len, w, w + s, 0.01, 3 * s, 1.0)
+               for a, s, w in zip(obs.arrivals, alone, wait, strict=True)]
+        cur = p.plan(Observation(obs.start_s, obs.end_s, obs.arrivals, fin), cur).desired
+        if bad:
+            assert p.offset["prefill"] < -0.2, p.offset  # what the block says, it says
+    assert p.offset["prefill"] > -0.05, p.offset
+
+
 def test_misses_of_a_pool_the_plan_finds_short_teach_no_offset():
     """Blocks whose requests all missed TTFT: served by a pool the plan itself finds too small
     for the load, the misses are its size (which the plan is already fixing) and teach no
