@@ -342,10 +342,16 @@ def test_colocated_mode_matches_engine(stories_path, story):
     cfg = make_config(stories_path, **{"mode": "colocated", "colocated.replicas": 2})
     prompts = [story[: 3 + 17 * i] for i in range(6)]
     ref = LLMEngine(EngineConfig(model=stories_path)).generate(prompts, SamplingParams(max_tokens=20, temperature=0))
+    asked = LLMEngine(EngineConfig(model=stories_path)).generate(
+        prompts[3:4], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1))[0]["prompt_logprobs"]
     with InProcessCluster(cfg) as cl, cl.client() as c:
         outs = [c.generate(make_request(p, max_tokens=20)) for p in prompts]
+        # Prompt logprobs from a prompt prefilled where it decodes: on its gRPC stream, not the
+        # direct token socket, which carries none (pdcommon/engine_loop.py).
+        first = next(iter(c.stream(make_request(prompts[3], max_tokens=3, prompt_logprobs=1), timeout=30)))
         st = c.status()
         cl.wait_idle()
+    assert list(first.prompt_logprobs) == pytest.approx(asked, abs=1e-5) and len(asked) == len(prompts[3]) - 1
     assert [o.token_ids for o in outs] == [r["token_ids"] for r in ref]
     assert all(o.usage["kv_transfer_bytes"] == 0 and o.prefill_worker == o.decode_worker for o in outs)
     assert st.mode == "colocated" and {w.role for w in st.workers} == {"colocated"} and len(st.workers) == 2
