@@ -130,12 +130,12 @@ class ModelRunner:
         # The last layer computes only the rows that sample (DecoderModel.forward); a step whose
         # every row samples (decode) keeps them all without a gather, and one that owes prompt
         # logprobs computes every row.
-        everything = wanted or len(sample_rows) == len(input_ids)
-        keep = None if everything else torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, positions, self.kv.layers, meta, keep)
+        rows = None if len(sample_rows) == len(input_ids) else torch.tensor(sample_rows, dtype=torch.long,
+                                                                            device=self.device)
+        hidden = self.model(input_ids, positions, self.kv.layers, meta, None if wanted else rows)
         prompt = compute(self.model.compute_logits, hidden, wanted) if wanted else []
-        if wanted and len(sample_rows) < len(input_ids):
-            hidden = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+        if wanted and rows is not None:
+            hidden = hidden[rows]
         sampled = [item.seq for item in batch.scheduled if item.samples]
         if not sampled:
             return [], [], [], [], prompt

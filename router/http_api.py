@@ -18,7 +18,7 @@ from pdcommon.v1 import router_pb2 as pb
 from router.auth import ApiKeys
 from router.core import RouterCore
 from router.metrics import RouterMetrics
-from router.openai_output import Reply, collect, echoed, event, logprobs, merge_logprobs, merged, usage_event
+from router.openai_output import Reply, collect, event, merged, piece, usage_event
 from router.openai_params import (
     ApiError,
     Limits,
@@ -244,12 +244,8 @@ class OpenAIApi:
             async for i, msg in events:
                 if not started:
                     await resp.prepare(request)
-                echo, head = "", None
-                if reply.echo is not None and i not in started:
-                    echo, head, offsets[i] = echoed(tok, reply, i, msg)
-                lp, offsets[i] = logprobs(tok, msg, reply.chat, offsets[i], reply.logprobs and reply.generated)
-                lp = merge_logprobs([p for p in (head, lp) if p], False) if head else lp
-                await resp.write(event(reply, i, msg, lp, i not in started, include_usage, echo))
+                said, lp, offsets[i] = piece(tok, reply, i, msg, offsets[i], i not in started)
+                await resp.write(event(reply, i, msg, said, lp, i not in started, include_usage))
                 started.add(i)
                 if msg.finish_reason:
                     last[i] = msg

@@ -26,9 +26,9 @@ MAX_CHARS_PER_TOKEN = 256
 # hop to the pool thread and back cost more than that on a busy 2-core host. Longer ones go to
 # the pool, so a huge prompt never stalls heartbeats or other streams.
 INLINE_TOKENIZE_CHARS = 2048
-# Wire bytes of one prompt position's logprob with k alternatives (a float, and a map of k
-# uint32 -> float entries of ~11 bytes each): they come in the worker's one FirstToken message.
-PROMPT_LOGPROB_BYTES = (7, 11)
+# Wire bytes of one prompt position's logprob with k alternatives: about 7 for the float and its
+# map, and 11 for each uint32 -> float entry; they come in the worker's one FirstToken message.
+POSITION_BYTES, ALTERNATIVE_BYTES = 7, 11
 
 
 class Intake:
@@ -78,7 +78,7 @@ class Intake:
         worker would fail to send it, and every retry with it)."""
         if k is None:
             return
-        size = prompt_len * (PROMPT_LOGPROB_BYTES[0] + PROMPT_LOGPROB_BYTES[1] * k)
+        size = prompt_len * (POSITION_BYTES + ALTERNATIVE_BYTES * k)
         if size > self.max_message_bytes // 2:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_logprobs: {prompt_len} prompt tokens with {k} alternatives each come to "

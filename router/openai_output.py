@@ -48,6 +48,11 @@ def usage(last: Sequence[pb.GenerateResponse | None], n: int, generated: bool = 
             "prompt_tokens_details": {"cached_tokens": sum(m.usage.cached_tokens for m in firsts)}}
 
 
+def _top_texts(tok, top: pb.TopLogprobs) -> dict[str, float]:
+    """A position's alternatives, keyed by their text."""
+    return dict(zip(token_texts(tok, list(top.logprobs)), top.logprobs.values(), strict=True))
+
+
 def logprobs(tok, msg: pb.GenerateResponse, chat: bool, offset: int, want: bool = True) -> tuple[dict | None, int]:
     """Logprobs of one message (tokens as text), and the text offset after it. With no
     alternatives asked for (logprobs: 0), a completion token's own logprob stands as its top one
@@ -55,8 +60,8 @@ def logprobs(tok, msg: pb.GenerateResponse, chat: bool, offset: int, want: bool 
     if not want or not (msg.top_logprobs or msg.logprobs):
         return None, offset
     texts = token_texts(tok, list(msg.token_ids))
-    tops = [dict(zip(token_texts(tok, list(t.logprobs)), t.logprobs.values(), strict=True))
-            for t in msg.top_logprobs] or [{} if chat else {t: lp} for t, lp in zip(texts, msg.logprobs, strict=False)]
+    tops = [_top_texts(tok, t) for t in msg.top_logprobs] or \
+        [{} if chat else {t: lp} for t, lp in zip(texts, msg.logprobs, strict=False)]
     if chat:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [
             {"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in top.items()]}
@@ -75,13 +80,13 @@ def echoed(tok, reply: Reply, index: int, msg: pb.GenerateResponse) -> tuple[str
         return prompt, None, 0
     texts = token_texts(tok, list(msg.prompt_token_ids))
     lps = [None, *msg.prompt_logprobs]
-    tops = [None] + [dict(zip(token_texts(tok, list(t.logprobs)), t.logprobs.values(), strict=True)) or {tx: lp}
+    tops = [None] + [_top_texts(tok, t) or {tx: lp}
                      for t, tx, lp in zip(msg.prompt_top_logprobs, texts[1:], msg.prompt_logprobs, strict=True)]
     offsets, offset = text_offsets(texts, 0)
     return prompt, {"tokens": texts, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
 
-def merge_logprobs(parts: list[dict], chat: bool) -> dict | None:
+def _merge(parts: list[dict], chat: bool) -> dict | None:
     if not parts:
         return None
     if chat:
@@ -89,26 +94,33 @@ def merge_logprobs(parts: list[dict], chat: bool) -> dict | None:
     return {k: [x for p in parts for x in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
+def piece(tok, reply: Reply, index: int, msg: pb.GenerateResponse, offset: int, first: bool,
+          ) -> tuple[str, dict | None, int]:
+    """One message of a choice as its text, logprobs and the text offset after them: the echo
+    (echoed) ahead of the first, and the generated part unless it is left out (reply.generated)."""
+    text, parts = "", []
+    if first and reply.echo is not None:
+        text, lp, offset = echoed(tok, reply, index, msg)
+        parts += [lp] if lp else []
+    if reply.generated:
+        text += msg.text
+        lp, offset = logprobs(tok, msg, reply.chat, offset, reply.logprobs)
+        parts += [lp] if lp else []
+    return text, _merge(parts, reply.chat), offset
+
+
 async def _choice(tok, gen, index: int, reply: Reply) -> tuple[dict, pb.GenerateResponse | None, float]:
     """The choice, its last message, and its tokens' summed logprob (what best_of ranks by)."""
-    out, finish, last, lps, offset, total = "", None, None, [], 0, 0.0
-    chat, want, first = reply.chat, reply.logprobs, True
+    out, finish, last, lps, offset, total, first = "", None, None, [], 0, 0.0, True
     async for msg in gen:
-        if first and reply.echo is not None:
-            out, lp, offset = echoed(tok, reply, index, msg)
-            lps += [lp] if lp else []
-        first = False
+        text, lp, offset = piece(tok, reply, index, msg, offset, first)
+        out, first = out + text, False
+        lps += [lp] if lp else []
+        total += sum(msg.logprobs) if reply.generated else 0.0
         if msg.finish_reason:
             finish, last = msg.finish_reason, msg
-        if not reply.generated:
-            continue
-        out += msg.text
-        total += sum(msg.logprobs)
-        lp, offset = logprobs(tok, msg, chat, offset, want)
-        if lp:
-            lps.append(lp)
-    choice = {"index": index, "finish_reason": finish, "logprobs": merge_logprobs(lps, chat)}
-    if chat:
+    choice = {"index": index, "finish_reason": finish, "logprobs": _merge(lps, reply.chat)}
+    if reply.chat:
         choice["message"] = {"role": "assistant", "content": out}
     else:
         choice["text"] = out
@@ -181,14 +193,14 @@ async def _stop(tasks: list[asyncio.Future]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def event(reply: Reply, index: int, msg: pb.GenerateResponse, lp: dict | None, first: bool,
-          include_usage: bool, echo: str = "") -> bytes:
-    """One choice's message as an event; `echo` (the prompt's text) goes ahead of its text."""
+def event(reply: Reply, index: int, msg: pb.GenerateResponse, text: str, lp: dict | None, first: bool,
+          include_usage: bool) -> bytes:
+    """One choice's message as an event, with its text and logprobs as `piece` made them."""
     choice: dict = {"index": index, "finish_reason": msg.finish_reason or None, "logprobs": lp}
     if reply.chat:
-        choice["delta"] = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
+        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
-        choice["text"] = echo + msg.text if reply.generated else echo
+        choice["text"] = text
     body = {**reply.head, "choices": [choice]}
     if include_usage:
         body["usage"] = None
