@@ -677,10 +677,14 @@ def test_a_repeating_load_is_planned_alike_in_every_period():
         t += rng.expovariate(2.0)
         times.append(t)
     times = sorted(times + [45.0 + 540 * c + 20.0 * k / 3000 for c in range(4) for k in range(3000)])
-    needs = []
+    needs, compression = [], []
     for i in range(60):
         arrivals = _timed([x for x in times if i * INTERVAL <= x < (i + 1) * INTERVAL])
         d = p.plan(Observation(i * INTERVAL, (i + 1) * INTERVAL, arrivals), {"prefill": 40, "decode": 20})
         needs.append(d.recommended["prefill"])
+        compression.append(d.inputs["rate_planned"] / d.inputs["rate_replayed"])
     later = needs[37:]  # from the second cluster's period on: a full stretch behind every plan
     assert max(later) <= 1.15 * min(later), later
+    # The decision says how much denser than it came the replay ran the load: about as it came
+    # (with the cap: 0.88-1.55).
+    assert all(0.85 <= c <= 1.15 for c in compression[37:]), compression[37:]

@@ -191,7 +191,10 @@ class SlaPlanner:
         keep_up = {"prefill": self.prefill_model.prefill_keep_up(rate, pt, self.correction["prefill"]),
                    "decode": floor}
         desired, reasons = self.policy.decide(now, current, need, relaxed, keep_up)
+        # rate_replayed: the replayed arrivals' own rate, which the prefill replay compresses to
+        # rate_planned (their ratio is how much denser than seen the plan assumes the load).
         inputs = {"rate_observed": obs.rate, "rate_burst": burst, "rate_planned": rate, "rate_decode": decode_rate,
+                  "rate_replayed": pt.own_rate,
                   "decode_floor": floor, "sample": len(self.sample), "miss_share_prefill": self.share,
                   "arrival_cv2": cv2, "prefix_hit_fraction": self.hit_fraction,
                   "attainment_observed": obs.attainment(), "attainment_planned": self.aim,
