@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # Recent arrivals kept for the length mix and the prefill replay: the stretch the forecast
 # measured (_age_sample), which this only caps. The replay compresses the sample to the forecast
-# rate (its own rate over the forecast's), which is right only if the sample covers the same
+# rate (by the forecast rate over the sample's own), which is right only if the sample covers the same
 # stretch. Capped at 4096, at 512 workers (~40 requests/s) it held the last 100-270 s of a
 # 10-minute stretch: on the Azure code trace, one burst inside it was replayed at 1.9x its size
 # (the stretch's rate over the sample's), when the load had already fallen to 2 requests/s,
