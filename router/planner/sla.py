@@ -36,12 +36,12 @@ from router.planner.sizing import PoolModel, Slos, Terms
 log = logging.getLogger(__name__)
 
 # Recent arrivals kept for the length mix and the prefill replay: the stretch the forecast
-# measured (_age_sample), which this only caps. The replay compresses the sample to the forecast
-# rate (by the forecast rate over the sample's own), which is right only if the sample covers the same
-# stretch. Capped at 4096, at 512 workers (~40 requests/s) it held the last 100-270 s of a
-# 10-minute stretch: on the Azure code trace, one burst inside it was replayed at 1.9x its size
-# (the stretch's rate over the sample's), when the load had already fallen to 2 requests/s,
-# and grew the pools to 515 prefill and 184 decode workers (best static split: 365 + 122).
+# measured (_age_sample), which this only caps. The replay compresses the sample by the forecast
+# rate over the sample's own, which is right only if both cover the same stretch. Capped at
+# 4096, at 512 workers (~40 requests/s) it held the last 100-270 s of a 10-minute stretch: on
+# the Azure code trace, one burst inside it was replayed at 1.9x its size (the stretch's rate
+# over the sample's), when the load had already fallen to 2 requests/s, and grew the pools to
+# 515 prefill and 184 decode workers (best static split: 365 + 122).
 SAMPLE = 32768
 SAMPLE_MIN, SAMPLE_AGE_INTERVALS = 128, 4
 CORRECTION_RANGE = (0.5, 4.0)
