@@ -8,6 +8,11 @@ is measured is the stack itself (issue #10, target 4):
   between two levels (the engine's step alone 0.82 or 1.55 ms, pinned to a core or not, from
   one second to the next), and an engine measured once before the cluster started gave "the
   stack adds" anywhere from -24% to +66%;
+- the same stream against the decode worker's own steps, which its engine times in the serving
+  process (`pdserve:engine_busy_seconds` over `pdserve:engine_steps` from the router's
+  /metrics): the stream's mean ITL over that mean step is what the rest of the stack adds, the
+  step's own slowdown in the worker (most of it the token message's wake-up, bench/wake_cost.py)
+  not counted;
 - a 1-token request over HTTP (non-streaming), p50 over 50 requests;
 - 8-token requests at concurrency 16 and 64: requests/s.
 
@@ -98,7 +103,8 @@ class EngineAlone:
         return statistics.median(times[1:])  # the first step is the prefill
 
 
-async def stream_itl(session, url: str) -> float:
+async def stream_itl(session, url: str) -> tuple[float, float]:
+    """The stream's inter-token time: median and mean."""
     body = {"prompt": PROMPT, "max_tokens": STREAM_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
     gaps, last = [], None
     async with session.post(url + "/v1/completions", json=body) as resp:
@@ -109,7 +115,34 @@ async def stream_itl(session, url: str) -> float:
             if last is not None:
                 gaps.append(now - last)
             last = now
-    return statistics.median(gaps)
+    return statistics.median(gaps), statistics.fmean(gaps)
+
+
+async def decode_engine_counters(session, url: str) -> tuple[float, float]:
+    """(steps, busy seconds) of the decode pool's engines, from the router's /metrics: what the
+    workers' engines timed of their own steps, in the serving process (sent with heartbeats)."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    got = {"pdserve:engine_steps_total": 0.0, "pdserve:engine_busy_seconds_total": 0.0}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in got and 'pool="decode"' in line:
+            got[name] += float(line.rsplit(" ", 1)[1])
+    return got["pdserve:engine_steps_total"], got["pdserve:engine_busy_seconds_total"]
+
+
+async def after_stream(session, url: str, before: tuple[float, float]) -> tuple[float, float]:
+    """The counters once a heartbeat has brought in every decode step of the stream since
+    `before` (all but its first token, which the prefill worker made)."""
+    deadline = time.monotonic() + 10
+    while True:
+        now = await decode_engine_counters(session, url)
+        if now[0] - before[0] >= STREAM_TOKENS - 1:
+            return now
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the decode engine counted {now[0] - before[0]:.0f} steps for a stream of "
+                               f"{STREAM_TOKENS} tokens")
+        await asyncio.sleep(0.2)
 
 
 async def one_token_p50(session, url: str, n: int = 50) -> float:
@@ -139,15 +172,28 @@ async def against(url: str, engine: EngineProcess) -> dict:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        seen = await decode_engine_counters(s, url)
         await stream_itl(s, url)  # warm-up
+        seen = await after_stream(s, url, seen)
         rounds = []
         for _ in range(ROUNDS):  # engine and stack back to back: the same host speed for both
             step = engine.step_s()
-            rounds.append({"engine_step_s": step, "stream_itl_s": await stream_itl(s, url)})
+            itl, itl_mean = await stream_itl(s, url)
+            now = await after_stream(s, url, seen)
+            rounds.append({"engine_step_s": step, "stream_itl_s": itl, "stream_itl_mean_s": itl_mean,
+                           "worker_step_mean_s": (now[1] - seen[1]) / (now[0] - seen[0])})
+            seen = now
         return {"rounds": rounds,
                 "engine_step_s": statistics.median(r["engine_step_s"] for r in rounds),
                 "stream_itl_s": statistics.median(r["stream_itl_s"] for r in rounds),
                 "stack_overhead": statistics.median(r["stream_itl_s"] / r["engine_step_s"] - 1 for r in rounds),
+                # The same stream against its own steps in the decode worker (means: the worker
+                # reports a sum), what the worker's step time leaves to the rest of the stack.
+                # The step itself runs slower there than alone (bench/wake_cost.py: the token
+                # message's wake-up slows the next step), which this figure does not count.
+                "worker_step_mean_s": statistics.median(r["worker_step_mean_s"] for r in rounds),
+                "stack_overhead_over_worker_step": statistics.median(
+                    r["stream_itl_mean_s"] / r["worker_step_mean_s"] - 1 for r in rounds),
                 "one_token_p50_s": await one_token_p50(s, url),
                 "rps_c16": await throughput(s, url, 16, 200), "rps_c64": await throughput(s, url, 64, 400)}
 
@@ -229,9 +275,11 @@ def main() -> int:
     result = {"launcher": args.launcher, **r}
     for i, row in enumerate(r["rounds"]):
         print(f"round {i}: engine step {row['engine_step_s'] * 1e3:.2f} ms, "
-              f"stream ITL {row['stream_itl_s'] * 1e3:.2f} ms")
+              f"stream ITL {row['stream_itl_s'] * 1e3:.2f} ms; means: the decode worker's step "
+              f"{row['worker_step_mean_s'] * 1e3:.2f} ms, stream ITL {row['stream_itl_mean_s'] * 1e3:.2f} ms")
     print(f"engine step {r['engine_step_s'] * 1e3:.2f} ms; stream ITL {r['stream_itl_s'] * 1e3:.2f} ms "
-          f"(stack adds {100 * result['stack_overhead']:.0f}%, median of the rounds' pairs); "
+          f"(stack adds {100 * result['stack_overhead']:.0f}%, median of the rounds' pairs; "
+          f"{100 * result['stack_overhead_over_worker_step']:.0f}% over the decode worker's own step); "
           f"1-token request p50 {r['one_token_p50_s'] * 1e3:.1f} ms; "
           f"8-token req/s at c16 {r['rps_c16']:.1f}, c64 {r['rps_c64']:.1f}")
     return _write(result, Path(args.out))

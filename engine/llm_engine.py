@@ -75,6 +75,9 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
         self.num_preemptions = 0
+        # Steps that ran the model, and their seconds from schedule to outputs: the engine's own
+        # time, which a served stream's inter-token time can be set against (bench/overhead.py).
+        self.num_steps, self.busy_s = 0, 0.0
 
     # ---- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: str | Seq[int]) -> list[int]:
@@ -172,6 +175,7 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted)
@@ -201,6 +205,8 @@ class LLMEngine:
             out = self._append_token(seq, tok, lp)
             out.new_top_logprobs = [top]
             outputs.append(out)
+        self.num_steps += 1
+        self.busy_s += time.perf_counter() - t0
         return outputs
 
     def _append_token(self, seq: Sequence, tok: int, lp: float) -> RequestOutput:
@@ -380,4 +386,4 @@ class LLMEngine:
         bm = self.bm
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), bm.num_blocks,
                            bm.num_used_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.usage,
-                           bm.prefix_queries, bm.prefix_hits, self.num_preemptions)
+                           bm.prefix_queries, bm.prefix_hits, self.num_preemptions, self.num_steps, self.busy_s)

@@ -91,3 +91,5 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    num_steps: int = 0  # steps that ran the model
+    busy_s: float = 0.0  # their seconds, schedule to outputs

@@ -53,7 +53,8 @@ def stats_to_proto(worker_id: str, role: str, address: str, state: str, st: Engi
     return pb.WorkerStatus(worker_id=worker_id, role=role, address=address, state=state, num_running=st.num_running,
                            num_waiting=st.num_waiting, num_blocks=st.num_blocks, used_blocks=st.used_blocks,
                            free_blocks=st.free_blocks, cached_blocks=st.cached_blocks, kv_usage=st.kv_usage,
-                           prefix_queries=st.prefix_queries, prefix_hits=st.prefix_hits, **extra)
+                           prefix_queries=st.prefix_queries, prefix_hits=st.prefix_hits, engine_steps=st.num_steps,
+                           engine_busy_s=st.busy_s, **extra)
 
 
 def first_token_to_proto(out: RequestOutput, prefill_s: float) -> wpb.FirstToken:

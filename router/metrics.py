@@ -61,6 +61,12 @@ class _ClusterCollector:
         inflight = GaugeMetricFamily("pdserve:router_inflight_entries", "Per-worker in-flight entries the router "
                                      "holds (0 when no request is in flight)")
         active = GaugeMetricFamily("pdserve:router_active_requests", "Requests the router is serving")
+        # The engines' own time, per worker: busy seconds over wall time is how loaded an engine
+        # is, and busy seconds over steps its step time, beside the ITL clients see.
+        steps = CounterMetricFamily("pdserve:engine_steps", "Engine steps that ran the model, per worker",
+                                    labels=["pool", "worker"])
+        busy = CounterMetricFamily("pdserve:engine_busy_seconds", "Seconds the engine spent in those steps, per "
+                                   "worker", labels=["pool", "worker"])
         queries = CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in prefix caches")
         hits = CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in prefix caches")
         q_total, h_total = self.retired["queries"], self.retired["hits"]
@@ -75,6 +81,8 @@ class _ClusterCollector:
                     usage.add_metric([role, w.worker_id], w.status.kv_usage)
                     for name, fam in leaks.items():
                         fam.add_metric([role, w.worker_id], getattr(w.status, name))
+                    steps.add_metric([role, w.worker_id], w.status.engine_steps)
+                    busy.add_metric([role, w.worker_id], w.status.engine_busy_s)
                     q_total += w.status.prefix_queries
                     h_total += w.status.prefix_hits
         waiting.add_metric(["router"], core.waiting)
@@ -82,7 +90,8 @@ class _ClusterCollector:
         active.add_metric([], len(core.active))
         queries.add_metric([], q_total)
         hits.add_metric([], h_total)
-        yield from (running, waiting, usage, replicas, target, queries, hits, inflight, active, *leaks.values())
+        yield from (running, waiting, usage, replicas, target, steps, busy, queries, hits, inflight, active,
+                    *leaks.values())
         yield from _token_counters(core.admission.tokens)
         yield from _planner_gauges(core.planner_status)
 

@@ -159,6 +159,17 @@ def test_abort_mid_stream_frees_blocks(eng):
     assert eng.stats().used_blocks == 0 and not eng.has_unfinished()
 
 
+def test_stats_count_the_steps_that_ran_the_model(eng):
+    before = eng.stats()
+    eng.add_request("timed", "Once upon a time", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    eng.step()  # nothing scheduled: not a step of the model
+    after = eng.stats()
+    assert after.num_steps - before.num_steps == 4  # the prefill's (and first token), then three decodes
+    assert after.busy_s > before.busy_s
+
+
 def copy_model(src: str, dst) -> str:
     shutil.copytree(src, dst)
     for f in dst.iterdir():

@@ -290,6 +290,12 @@ def test_prometheus_metrics_agree_with_requests(stories_path):
     assert sample(fams, "pdserve:num_requests_running", "", pool="decode") == 0
     assert sample(fams, "pdserve:num_requests_waiting", "", pool="router") == 0
     assert sample(fams, "pdserve:kv_cache_usage_perc", "", pool="decode", worker="decode-0") == 0
+    # The decode engine stepped at least once per token after the first of each request (9 and 2
+    # of them, and the cancelled stream's), and timed those steps.
+    decode_steps = sample(fams, "pdserve:engine_steps", "_total", pool="decode", worker="decode-0")
+    assert decode_steps >= 9 * n + 2 * 2
+    assert 0 < sample(fams, "pdserve:engine_busy_seconds", "_total", pool="decode", worker="decode-0") < 60
+    assert sample(fams, "pdserve:engine_steps", "_total", pool="prefill", worker="prefill-0") >= n + 3
     # Every prompt was looked up once in the prefill worker's prefix cache (3 to 5 tokens each).
     assert sample(fams, "pdserve:prefix_cache_queries", "_total") == 5 * n + 4 + 3 + 5
     assert sample(fams, "pdserve:prefix_cache_hits", "_total") == 0
