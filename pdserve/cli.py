@@ -213,11 +213,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     for p in st.pools:
         print(f"pool {p.role:8s} replicas {p.replicas} (target {p.target_replicas})")
     hdr = f"{'worker':14s} {'role':8s} {'state':9s} {'address':22s} {'run':>4s} {'wait':>4s} {'infl':>4s} " \
-          f"{'served':>6s} {'kv used':>8s} {'cached':>7s} {'hb age':>6s}"
+          f"{'served':>6s} {'busy':>5s} {'kv used':>8s} {'cached':>7s} {'hb age':>6s}"
     print(hdr)
     for w in st.workers:
         print(f"{w.worker_id:14s} {w.role:8s} {w.state:9s} {w.address:22s} {w.num_running:4d} {w.num_waiting:4d} "
-              f"{w.inflight:4d} {w.requests_served:6d} {100 * w.kv_usage:7.1f}% {w.cached_blocks:7d} "
+              f"{w.inflight:4d} {w.requests_served:6d} {100 * w.engine_busy_fraction:4.0f}% {100 * w.kv_usage:7.1f}% "
+              f"{w.cached_blocks:7d} "
               f"{w.last_heartbeat_age_s:5.1f}s")
     if st.planner:
         plan = json.loads(st.planner)

@@ -40,6 +40,7 @@ class WorkerRecord:
     transfer_public_key: str = ""  # the KV receiver's CURVE key (encrypted transport), else ""
     # request id -> prompt tokens this prefill worker still has to compute for it (until its first token)
     queued: dict[str, int] = field(default_factory=dict)
+    busy: float = 0.0  # the share of the time between its last two heartbeats its engine was stepping
 
     @property
     def free_blocks_estimate(self) -> int:
@@ -114,7 +115,10 @@ class Membership:
         rec = self.workers.get(worker_id)
         if rec is None or (incarnation and incarnation != rec.incarnation):
             return None
-        rec.last_seen = time.monotonic()
+        now = time.monotonic()
+        if rec.status is not None and now > rec.last_seen:
+            rec.busy = min(max((status.engine_busy_s - rec.status.engine_busy_s) / (now - rec.last_seen), 0.0), 1.0)
+        rec.last_seen = now
         rec.status = status
         rec.pending_blocks = 0
         if status.state == "draining" and rec.state == "active":  # it is going away (SIGTERM): no new work

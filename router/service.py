@@ -54,6 +54,7 @@ class RouterService(rrpc.RouterServicer):
             st.worker_id, st.role, st.address, st.state = w.worker_id, w.role, w.address, w.state
             st.inflight, st.requests_served = w.load, w.served
             st.last_heartbeat_age_s = now - w.last_seen
+            st.engine_busy_fraction = w.busy
             resp.workers.append(st)
         return resp
 

@@ -96,6 +96,7 @@ def test_up_generate_status_scale_and_clean_stop(stories_path):
         assert r.returncode == 0 and "TTFT" in r.stderr
         r = run_cli("status", "--router", addr)
         assert r.returncode == 0 and "prefill-0" in r.stdout and "decode-0" in r.stdout
+        assert " busy " in r.stdout.splitlines()[3]  # the header: each engine's busy share
         # Ray actors freeze their start-up heap too (after they report ready), and /metrics
         # shows it per worker once a heartbeat has carried it.
         assert min(_frozen_counts(addr, 15.0).values()) > 0

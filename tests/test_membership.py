@@ -1,8 +1,11 @@
-"""The router's membership table: a planned departure is not reported as a fault."""
+"""The router's membership table: a planned departure is not reported as a fault; what heartbeats
+tell about a worker."""
 
 import asyncio
 import logging
+import time
 
+from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.membership import Membership
 
@@ -25,3 +28,17 @@ def test_drained_workers_leave_at_info_and_failed_ones_at_warning(caplog):
         asyncio.run(run())
     levels = {r.worker_id: r.levelno for r in caplog.records if r.getMessage() == "dropping worker"}
     assert levels == {"decode-0": logging.INFO, "decode-1": logging.INFO, "decode-2": logging.WARNING}
+
+
+def test_a_workers_busy_share_is_its_engine_time_between_heartbeats():
+    async def run() -> float:
+        members = Membership(dead_after_s=5.0)
+        members.register(_info("decode-0"))
+        members.heartbeat("decode-0", pb.WorkerStatus(engine_busy_s=10.0), "decode-0-1")
+        t0 = time.monotonic()
+        await asyncio.sleep(0.4)
+        busy_s = 0.5 * (time.monotonic() - t0)  # an engine stepping half the time since then
+        rec = members.heartbeat("decode-0", pb.WorkerStatus(engine_busy_s=10.0 + busy_s), "decode-0-1")
+        return rec.busy
+
+    assert 0.45 <= asyncio.run(run()) <= 0.5

@@ -165,7 +165,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "state", "num_running", "num_waiting", "num_blocks", "used_blocks", "free_blocks", "cached_blocks", "kv_usage", "requests_served", "inflight", "last_heartbeat_age_s", "prefix_queries", "prefix_hits", "reserved_blocks", "orphan_blocks", "partial_transfers", "peer_sockets", "open_fds", "rss_bytes", "kv_shared_peers", "gc_frozen_objects", "engine_steps", "engine_busy_s")
+    __slots__ = ("worker_id", "role", "address", "state", "num_running", "num_waiting", "num_blocks", "used_blocks", "free_blocks", "cached_blocks", "kv_usage", "requests_served", "inflight", "last_heartbeat_age_s", "prefix_queries", "prefix_hits", "reserved_blocks", "orphan_blocks", "partial_transfers", "peer_sockets", "open_fds", "rss_bytes", "kv_shared_peers", "gc_frozen_objects", "engine_steps", "engine_busy_s", "engine_busy_fraction")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,7 @@ class WorkerStatus(_message.Message):
     GC_FROZEN_OBJECTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -218,7 +219,8 @@ class WorkerStatus(_message.Message):
     gc_frozen_objects: int
     engine_steps: int
     engine_busy_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., requests_served: _Optional[int] = ..., inflight: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., orphan_blocks: _Optional[int] = ..., partial_transfers: _Optional[int] = ..., peer_sockets: _Optional[int] = ..., open_fds: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., kv_shared_peers: _Optional[int] = ..., gc_frozen_objects: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_busy_s: _Optional[float] = ...) -> None: ...
+    engine_busy_fraction: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., requests_served: _Optional[int] = ..., inflight: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., prefix_queries: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., reserved_blocks: _Optional[int] = ..., orphan_blocks: _Optional[int] = ..., partial_transfers: _Optional[int] = ..., peer_sockets: _Optional[int] = ..., open_fds: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., kv_shared_peers: _Optional[int] = ..., gc_frozen_objects: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_busy_s: _Optional[float] = ..., engine_busy_fraction: _Optional[float] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("role", "replicas", "target_replicas")
