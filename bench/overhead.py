@@ -259,7 +259,7 @@ def main() -> int:
     if args.compare_event_loops:
         result = compare_event_loops(engine, args.compare_event_loops)
         engine.close()
-        return _write(result, Path(args.out).with_name("overhead_event_loops.json")
+        return write_json(result, Path(args.out).with_name("overhead_event_loops.json")
                       if args.out == str(OUT / "overhead.json") else Path(args.out))
     if args.launcher == "ray":
         from pdcommon.config import load_config
@@ -282,10 +282,10 @@ def main() -> int:
           f"{100 * result['stack_overhead_over_worker_step']:.0f}% over the decode worker's own step); "
           f"1-token request p50 {r['one_token_p50_s'] * 1e3:.1f} ms; "
           f"8-token req/s at c16 {r['rps_c16']:.1f}, c64 {r['rps_c64']:.1f}")
-    return _write(result, Path(args.out))
+    return write_json(result, Path(args.out))
 
 
-def _write(result: dict, out: Path) -> int:
+def write_json(result: dict, out: Path) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"-> {out}")

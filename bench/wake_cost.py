@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import os
 import socket
@@ -40,6 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from overhead import write_json  # noqa: E402  (bench/ is this script's own folder)
+
 OUT = Path(__file__).resolve().parent / "out"
 MODEL = ROOT.parent / "shared" / "models" / "stories260K"
 PROMPT = "Once upon a time there was a little girl named Lily"
@@ -183,11 +184,7 @@ def main() -> int:
         result["modes"][m] = row
         print(f"{m:14s} step {row['step_s'] * 1e6:6.0f} us, send {row['send_s'] * 1e6:5.0f} us, "
               f"period {row['period_s'] * 1e6:6.0f} us ({100 * (row['period_vs_none'] - 1):+.0f}% on the engine's own)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"-> {out}")
-    return 0
+    return write_json(result, Path(args.out))
 
 
 if __name__ == "__main__":
