@@ -121,15 +121,12 @@ async def stream_itl(session, url: str) -> tuple[float, float]:
 async def decode_engine_counters(session, url: str) -> tuple[float, float]:
     """(steps, busy seconds) of the decode pool's engines, from the router's /metrics: what the
     workers' engines timed of their own steps, in the serving process (sent with heartbeats)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from soak import metrics  # bench/soak.py's /metrics reader
 
-    async with session.get(url + "/metrics") as r:
-        text = await r.text()
     got = {"pdserve:engine_steps_total": 0.0, "pdserve:engine_busy_seconds_total": 0.0}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in got and s.labels.get("pool") == "decode":
-                got[s.name] += s.value
+    for (name, labels), value in (await asyncio.to_thread(metrics, url)).items():
+        if name in got and dict(labels).get("pool") == "decode":
+            got[name] += value
     return got["pdserve:engine_steps_total"], got["pdserve:engine_busy_seconds_total"]
 
 

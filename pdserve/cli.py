@@ -218,8 +218,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for w in st.workers:
         print(f"{w.worker_id:14s} {w.role:8s} {w.state:9s} {w.address:22s} {w.num_running:4d} {w.num_waiting:4d} "
               f"{w.inflight:4d} {w.requests_served:6d} {100 * w.engine_busy_fraction:4.0f}% {100 * w.kv_usage:7.1f}% "
-              f"{w.cached_blocks:7d} "
-              f"{w.last_heartbeat_age_s:5.1f}s")
+              f"{w.cached_blocks:7d} {w.last_heartbeat_age_s:5.1f}s")
     if st.planner:
         plan = json.loads(st.planner)
         d = plan.get("decision")
