@@ -71,8 +71,11 @@ class GrpcSender(KVSender):
         return handle
 
     def poll(self) -> None:
-        still = []
+        still, now = [], time.monotonic()
         for handle, fut in self.open:
+            if not handle.done and not fut.done() and now > handle.deadline:
+                # A call has grpcio's deadline too; a KV on a lane has only this one.
+                handle.advance(TransferState.FAILED, f"no acknowledgement from {handle.dest} before the timeout")
             if handle.done and not fut.done():  # failed meanwhile (its deadline): stop waiting
                 self._drop(fut)
                 continue
