@@ -262,6 +262,19 @@ def test_sized_split_sizes_decode_for_the_rate_its_requests_meet_in_bursts():
     assert 0.8 * best["decode"] <= sized["decode"] <= 1.25 * best["decode"], (sized, best)
 
 
+@pytest.mark.parametrize("prompt,output,rate", [(256, 512, 6.0), (1024, 16, 4.0)])
+def test_the_planner_starts_from_the_share_of_the_misses_that_needs_fewest_workers(prompt, output, rate):
+    """The planner's start (sized_split, cheapest) shares the target's misses between the pools
+    as the planner does each interval: where one pool's last workers buy it little, that pool
+    takes more of the misses. Each pool sized for half of them (the `--workers` scale), these
+    loads got a worker more than they need, and the planner's scale-down window kept it."""
+    settings = SimSettings(profile=profile())
+    reqs = poisson(rate, 1500, prompt, output, seed=1)
+    even, cheapest = sized_split(reqs, settings, 0.9), sized_split(reqs, settings, 0.9, cheapest=True)
+    assert sum(cheapest.values()) < sum(even.values()), (even, cheapest)
+    assert summarize(run_static(reqs, cheapest), 4096)["attainment"] >= 0.9
+
+
 def test_a_request_reports_the_batch_its_decode_steps_had():
     """As a decode worker counts it for the planner (engine/llm_engine.py): the mean number of
     sequences in its decode steps."""

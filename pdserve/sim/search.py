@@ -21,6 +21,7 @@ from pdserve.sim.report import summarize
 from pdserve.sim.traces import TraceRequest
 from router.planner import Arrival, PoolModel, SlaPlanner, Slos, StaticPlanner
 from router.planner.arrivals import burst_rate
+from router.planner.sla import MISS_SHARES
 
 JITTER_S = 1.0  # copies of a request arrive within this much of it
 
@@ -69,10 +70,16 @@ def busy_rate(reqs: list[TraceRequest], window_s: float = 60.0, q: float = 0.9) 
     return max(rates[min(len(rates) - 1, int(q * len(rates)))], mean_rate(reqs))
 
 
-def sized_split(reqs: list[TraceRequest], settings: SimSettings, target: float) -> dict[str, int]:
-    """The sizing model's split for the trace: where the search and the planner start (as an
-    operator deploys from yesterday's load), and how `--workers` turns into a scale factor. The
-    prefill pool replays the trace's own arrivals through the queueing model, as the planner
+def sized_split(reqs: list[TraceRequest], settings: SimSettings, target: float,
+                cheapest: bool = False) -> dict[str, int]:
+    """The sizing model's split for the trace: how `--workers` turns into a scale factor (each
+    pool sized for half the target's misses), and, with `cheapest`, where the search and the
+    planner start (as an operator deploys from yesterday's load): the share of the misses
+    between the pools that needs the fewest workers, as the planner chooses it each interval
+    (router/planner/sla.py, MISS_SHARES). The even split started the Mooncake conversation trace
+    at 64 workers at 25P + 42D, which the planner's scale-down window held for its first 20
+    minutes where the best static split has 26P + 34D; the cheapest share starts it at 27P + 32D.
+    The prefill pool replays the trace's own arrivals through the queueing model, as the planner
     replays its recent ones (router/planner/replay.py); the decode pool is sized at the busy rate
     (busy_rate) or, where higher, at the rate a request meets inside the trace's bursts
     (burst_rate), as the planner sizes it. The prefill pool was sized at the busy rate as Poisson
@@ -85,14 +92,23 @@ def sized_split(reqs: list[TraceRequest], settings: SimSettings, target: float) 
     rate = busy_rate(reqs)
     sample = [Arrival(r.prompt_len, r.output_len) for r in random.Random(0).sample(reqs, min(len(reqs), 2048))]
     pm, dm = pool_model(settings)
-    per_pool = 1 - (1 - target) / 2
     pt = pm.terms(sample)
     dm.hold_s = pt.service_mean  # decode KV is reserved before the prefill
     timed = pm.terms([Arrival(r.prompt_len, r.output_len, 0, r.arrival_s) for r in reqs])
-    p = pm.prefill_workers(timed.own_rate, timed, per_pool) if timed.replay else pm.prefill_workers(rate, pt, per_pool)
     times = [r.arrival_s for r in reqs]
     decode_rate = max(rate, burst_rate(times, times[0], times[-1] + 1e-6))
-    d = dm.decode_workers(decode_rate, dm.terms(sample), per_pool)
+    dt = dm.terms(sample)
+    even = 1 - (1 - target) / 2
+    goals = [(even, even)]
+    if cheapest and settings.mode != "colocated":
+        goals += [(target ** share, target ** (1 - share)) for share in MISS_SHARES]
+    best: tuple[int, int, int] | None = None
+    for goal_p, goal_d in goals:
+        p = pm.prefill_workers(timed.own_rate, timed, goal_p) if timed.replay else pm.prefill_workers(rate, pt, goal_p)
+        d = dm.decode_workers(decode_rate, dt, goal_d)
+        if best is None or p + d < best[0]:  # the even split wins ties
+            best = (p + d, p, d)
+    _, p, d = best
     return {"colocated": p + d} if settings.mode == "colocated" else {"prefill": p, "decode": d}
 
 
@@ -165,17 +181,17 @@ def best_static(reqs: list[TraceRequest], settings: SimSettings, target: float, 
 def run_planner(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSection,
                 start: dict[str, int] | None = None) -> tuple[SimResult, dict]:
     """The SLA planner in the loop. It starts from `start`, by default the sizing model's split
-    for the trace (sized_split: as an operator deploys from yesterday's load), and moves from
+    for the trace (sized_split, cheapest: as an operator deploys from yesterday's load), and moves from
     there on what it observes."""
     pm, dm = pool_model(settings)
     planner = SlaPlanner(cfg, pm.profile, dm.profile, chunk=settings.budget)
-    initial = start or sized_split(reqs, settings, cfg.target_attainment)
+    initial = start or sized_split(reqs, settings, cfg.target_attainment, cheapest=True)
     return simulate(reqs, settings, planner, initial)
 
 
 def compare(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSection) -> dict:
     target = cfg.target_attainment
-    start = sized_split(reqs, settings, target)
+    start = sized_split(reqs, settings, target, cheapest=True)
     result, planner = run_planner(reqs, settings, cfg, start)
     cache: dict = {}
     static = best_static(reqs, settings, target, start, cache=cache)
