@@ -436,6 +436,31 @@ def test_a_fresh_planner_does_not_shrink_the_pools_it_was_deployed_with():
     assert ds[-1].desired["prefill"] < 8 and ds[-1].desired["decode"] < 8  # then down, as the window allows
 
 
+def test_a_fresh_planner_grows_a_deployed_pool_only_when_it_misses():
+    """The deployed split was sized from a whole day's load, and a young planner's plans come
+    from minutes of it: while it has less than a scale-down window of plans, a plan above a pool
+    grows it only when the pool missed its goal in the interval just seen, or cannot keep up at
+    all. Once the window is full, the plan alone grows it."""
+    pol = ScalePolicy(PlannerSection(mode="sla", profile="unused", scale_down_window_s=300))
+    pools, need, relaxed = {"prefill": 10, "decode": 10}, {"prefill": 14, "decode": 14}, {"prefill": 16, "decode": 16}
+    d, reasons = pol.decide(0.0, pools, need, relaxed, missing={"prefill": False, "decode": True})
+    assert d == {"prefill": 10, "decode": 14}, reasons
+    assert "meets its goal" in reasons["prefill"]
+    d, _ = pol.decide(30.0, pools, need, relaxed, keep_up={"prefill": 12, "decode": 0},
+                      missing={"prefill": False, "decode": False})
+    assert d == {"prefill": 14, "decode": 10}  # behind the load: a queue would grow without end
+    assert pol.decide(330.0, pools, need, relaxed, missing={"prefill": False, "decode": False})[0] == need
+    # The planner tells the policy which pool missed: each pool's SLO over what ended.
+    arrivals = [Arrival(1024, 64, 0, k / 16) for k in range(480)]  # 16 req/s: 7 decode workers
+    deployed = {"prefill": 8, "decode": 5}  # 5 keep up with its tokens
+    for tpot, grown in ((0.01, False), (0.5, True)):  # TPOT within its SLO, or over it (TTFT within)
+        done = [Finished(1024, 64, 0.0, 0.1, tpot, 1.0, 0.1)] * 480
+        d = planner().plan(Observation(0.0, INTERVAL, arrivals, done), deployed)
+        assert d.recommended["decode"] > deployed["decode"] * 1.05 > d.inputs["decode_floor"], d.recommended
+        assert (d.desired["decode"] > deployed["decode"]) is grown, (d.desired, d.reasons)
+        assert d.desired["prefill"] == deployed["prefill"]
+
+
 def _budget_run(window_s: float, met: bool) -> tuple[SlaPlanner, list]:
     """A steady, bursty load (gamma gaps, cv 3, timed: the prefill replay sizes it, whose
     attainment moves with each worker) whose finished requests all met (or all missed) their SLOs."""

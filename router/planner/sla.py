@@ -190,7 +190,7 @@ class SlaPlanner:
         trusted = {p: self._trust(p) for p in POOLS}  # as this plan was sized, before the policy's change
         keep_up = {"prefill": self.prefill_model.prefill_keep_up(rate, pt, self.correction["prefill"]),
                    "decode": floor}
-        desired, reasons = self.policy.decide(now, current, need, relaxed, keep_up)
+        desired, reasons = self.policy.decide(now, current, need, relaxed, keep_up, self._missing(obs))
         # rate_replayed: the replayed arrivals' own rate, which the prefill replay compresses to
         # rate_planned (their ratio is how much denser than seen the plan assumes the load).
         inputs = {"rate_observed": obs.rate, "rate_burst": burst, "rate_planned": rate, "rate_decode": decode_rate,
@@ -205,6 +205,16 @@ class SlaPlanner:
         decision = Decision(now, dict(current), desired, need, reasons, inputs)
         log.info("planner decision", extra={"decision": decision.to_dict()})
         return decision
+
+    def _missing(self, obs: Observation) -> dict[str, bool]:
+        """Per pool, whether the requests that ended in the interval met its SLO less often than
+        this interval's goal for it (failed requests missed both)."""
+        ended = len(obs.finished) + obs.failed
+        if not ended:
+            return {p: obs.waiting > 0 for p in POOLS}  # nothing ended: only a queue says it is short
+        met = {"prefill": sum(f.ttft_s <= f.ttft_slo_s for f in obs.finished),
+               "decode": sum(f.output_len <= 1 or f.tpot_s <= f.tpot_slo_s for f in obs.finished)}
+        return {p: met[p] / ended < self.goal(p, self.share) for p in POOLS}
 
     def goal(self, pool: str, share: float = 0.5, joint: float | None = None) -> float:
         """The share of what a pool can reach that its model must predict when it takes `share`
