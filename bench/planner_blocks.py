@@ -77,7 +77,7 @@ def main() -> int:
     settings = settings_from(cfg, SimSettings(profile=StepCostModel.load(default_profile())))
     reqs = parse_trace(args.trace)
     reqs, _ = scale_to_workers(reqs, settings, cfg.target_attainment, args.workers)
-    start = sized_split(reqs, settings, cfg.target_attainment)
+    start = sized_split(reqs, settings, cfg.target_attainment, cheapest=True)  # as pdserve simulate starts
     planned, planner = run_planner(reqs, settings, cfg, start)
     if args.static:
         split = dict(zip(POOLS, (int(x) for x in args.static.split(":")), strict=True))

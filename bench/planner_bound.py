@@ -164,7 +164,8 @@ def main() -> int:
     settings = settings_from(planner, base)
     reqs = parse_trace(args.trace)
     reqs, _ = scale_to_workers(reqs, settings, args.target, args.workers)
-    static = best_static(reqs, settings, args.target, sized_split(reqs, settings, args.target), cache={})
+    static = best_static(reqs, settings, args.target, sized_split(reqs, settings, args.target, cheapest=True),
+                         cache={})
     split = static["split"]
     other = "decode" if args.vary == "prefill" else "prefill"
     t_first, t_last = reqs[0].arrival_s, reqs[-1].arrival_s
