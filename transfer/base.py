@@ -51,6 +51,13 @@ class TransferHandle:
     def done(self) -> bool:
         return self.state in (TransferState.DONE, TransferState.FAILED)
 
+    def expire(self, now: float) -> bool:
+        """Fail a transfer still open past its deadline (no acknowledgement came); whether it did."""
+        if self.done or now <= self.deadline:
+            return False
+        self.advance(TransferState.FAILED, f"no acknowledgement from {self.dest} before the timeout")
+        return True
+
     @property
     def seconds(self) -> float:
         return (self.finished or time.monotonic()) - self.started

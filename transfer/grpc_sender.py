@@ -73,9 +73,8 @@ class GrpcSender(KVSender):
     def poll(self) -> None:
         still, now = [], time.monotonic()
         for handle, fut in self.open:
-            if not handle.done and not fut.done() and now > handle.deadline:
-                # A call has grpcio's deadline too; a KV on a lane has only this one.
-                handle.advance(TransferState.FAILED, f"no acknowledgement from {handle.dest} before the timeout")
+            if not fut.done():
+                handle.expire(now)  # a call has grpcio's deadline too; a KV on a lane has only this one
             if handle.done and not fut.done():  # failed meanwhile (its deadline): stop waiting
                 self._drop(fut)
                 continue

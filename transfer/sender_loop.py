@@ -99,8 +99,7 @@ class SenderLoop:
         """Resolve finished transfers; fail any past its deadline (even one the transport lost)."""
         now = time.monotonic()
         for key, (handle, fut) in list(self._open.items()):
-            if not handle.done and now > handle.deadline:
-                handle.advance(TransferState.FAILED, f"no acknowledgement from {handle.dest} before the timeout")
+            handle.expire(now)
             if handle.done:
                 del self._open[key]
                 if not fut.done():

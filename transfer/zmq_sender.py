@@ -164,8 +164,7 @@ class ZmqSender(KVSender):
                 continue  # settled above by _drop_socket, with the other transfers to its peer
             if handle.done:
                 self.open.pop(key)
-            elif now > handle.deadline:
-                handle.advance(TransferState.FAILED, f"no acknowledgement from {handle.dest} before the timeout")
+            elif handle.expire(now):
                 self.open.pop(key)
                 self._drop_socket(handle.dest)  # a silent peer: connect afresh (or never) next time
         busy = {h.dest for h in self.open.values()}
