@@ -32,8 +32,16 @@ class Finished:
     batch: float | None = None  # the mean batch of its decode steps, where its worker counted them
 
     @property
+    def met_ttft(self) -> bool:
+        return self.ttft_s <= self.ttft_slo_s
+
+    @property
+    def met_tpot(self) -> bool:
+        return self.output_len <= 1 or self.tpot_s <= self.tpot_slo_s
+
+    @property
     def met(self) -> bool:
-        return self.ttft_s <= self.ttft_slo_s and (self.output_len <= 1 or self.tpot_s <= self.tpot_slo_s)
+        return self.met_ttft and self.met_tpot
 
 
 @dataclass(slots=True)

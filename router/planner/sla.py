@@ -212,8 +212,7 @@ class SlaPlanner:
         ended = len(obs.finished) + obs.failed
         if not ended:
             return {p: obs.waiting > 0 for p in POOLS}  # nothing ended: only a queue says it is short
-        met = {"prefill": sum(f.ttft_s <= f.ttft_slo_s for f in obs.finished),
-               "decode": sum(f.output_len <= 1 or f.tpot_s <= f.tpot_slo_s for f in obs.finished)}
+        met = {"prefill": sum(f.met_ttft for f in obs.finished), "decode": sum(f.met_tpot for f in obs.finished)}
         return {p: met[p] / ended < self.goal(p, self.share) for p in POOLS}
 
     def goal(self, pool: str, share: float = 0.5, joint: float | None = None) -> float:
@@ -346,8 +345,8 @@ class SlaPlanner:
     def _offsets(self, obs: Observation, current: dict[str, float], pt: Terms, dt: Terms,
                  learn: dict[str, bool]) -> None:
         done = obs.finished
-        seen = {"prefill": statistics.fmean(f.ttft_s <= f.ttft_slo_s for f in done),
-                "decode": statistics.fmean(f.output_len <= 1 or f.tpot_s <= f.tpot_slo_s for f in done)}
+        seen = {"prefill": statistics.fmean(f.met_ttft for f in done),
+                "decode": statistics.fmean(f.met_tpot for f in done)}
         said = {"prefill": self.prefill_model.prefill_attainment(max(round(current.get("prefill", 0)), 1), obs.rate,
                                                                  pt, self.correction["prefill"]),
                 "decode": self.decode_model.decode_attainment(max(current.get("decode", 0), 1.0), obs.rate, dt,
