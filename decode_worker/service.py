@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -164,8 +165,7 @@ class DecodeService(wrpc.DecodeWorkerServicer):
 
     # ---- the RPC -------------------------------------------------------------------------------
     async def Decode(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext):
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
-        loop, eng = self.rt.engine_loop, self.rt.engine
+        rid, loop, eng = request.request_id, self.rt.engine_loop, self.rt.engine
         try:
             params = params_from_proto(request.sampling)
         except InvalidRequestError as e:
@@ -176,24 +176,9 @@ class DecodeService(wrpc.DecodeWorkerServicer):
         if self.rt.state == "draining":
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False))
             return
-        local, resume = request.prefill_here, list(request.resume_token_ids)
-        direct = self._direct(request)
+        local, direct = request.prefill_here, self._direct(request)
         q = loop.open_stream(rid, direct)
-        try:
-            if local:
-                held, blocks = 0, await loop.call(self._admit_local, eng, rid, prompt, params, resume)
-            else:
-                res = await loop.call(eng.reserve_import, rid, prompt, params, len(prompt) + params.max_tokens, resume)
-                held, blocks = (res.num_held_blocks, len(res.block_ids)) if res is not None else (0, 0)
-        except InvalidRequestError as e:
-            loop.close_stream(rid, q)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except asyncio.CancelledError:
-            # Cancelled while the engine thread admits it: whatever it reserves is freed after it
-            # (commands run in order), so a cancel during reservation leaks nothing.
-            loop.close_stream(rid, q)
-            loop.call(eng.abort_request, rid, False)
-            raise
+        held, blocks, res = await self._reserve(request, params, q, context)
         if not blocks:
             loop.close_stream(rid, q)
             yield wpb.DecodeResponse(reservation=wpb.Reservation(ok=False, free_blocks=self._free_blocks()))
@@ -214,22 +199,13 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                 first = self._first_local(rid, q) if local else \
                     self._first_imported(rid, request, context, q, direct is not None)
                 async for msg in first:
+                    finished = _finishes(msg)
                     yield msg
-                    finished = msg.HasField("tokens") and bool(msg.tokens.finish_reason) \
-                        or msg.HasField("first") and bool(msg.first.finish_reason)
-            while not finished:
-                out, index = await loop.next(q)
-                if index == FIRST:  # the first token, where it could not go direct (it ends the stream, say)
-                    finished = out.finished
-                    yield wpb.DecodeResponse(first=first_token_to_proto(out, out.prefill_s))
-                    continue
-                outs = [out]
-                # The engine got ahead: send what is ready in one message (a direct stream's items
-                # here are not consecutive: each keeps its own index).
-                while index is None and not outs[-1].finished and (item := loop.take_ready(q)) is not None:
-                    outs.append(item[0])
-                finished = outs[-1].finished
-                yield wpb.DecodeResponse(tokens=tokens_to_proto(outs, index=index or 0))
+            if not finished:
+                async with aclosing(self._decoded(q)) as decoded:
+                    async for msg in decoded:
+                        finished = _finishes(msg)
+                        yield msg
         finally:
             self.pending.pop(rid, None)
             loop.close_stream(rid, q)
@@ -240,6 +216,47 @@ class DecodeService(wrpc.DecodeWorkerServicer):
                 self.promised -= blocks
             if not finished:
                 loop.call(eng.abort_request, rid, False)
+
+    async def _reserve(self, request: wpb.DecodeRequest, params: SamplingParams, q, context,
+                       ) -> tuple[int, int, KVReservation | None]:
+        """(blocks already held, blocks reserved, the import's reservation or None): prompt and
+        max_tokens' blocks for KV imported from a prefill worker, or admitted to prefill here.
+        No blocks: no room."""
+        rid, prompt, resume = request.request_id, list(request.prompt_token_ids), list(request.resume_token_ids)
+        loop, eng = self.rt.engine_loop, self.rt.engine
+        try:
+            if request.prefill_here:
+                return 0, await loop.call(self._admit_local, eng, rid, prompt, params, resume), None
+            res = await loop.call(eng.reserve_import, rid, prompt, params, len(prompt) + params.max_tokens, resume)
+            return (res.num_held_blocks, len(res.block_ids), res) if res is not None else (0, 0, None)
+        except InvalidRequestError as e:
+            loop.close_stream(rid, q)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except asyncio.CancelledError:
+            # Cancelled while the engine thread admits it: whatever it reserves is freed after it
+            # (commands run in order), so a cancel during reservation leaks nothing.
+            loop.close_stream(rid, q)
+            loop.call(eng.abort_request, rid, False)
+            raise
+
+    async def _decoded(self, q):
+        """The engine's tokens for the stream, as messages, up to the one that finishes it."""
+        loop = self.rt.engine_loop
+        while True:
+            out, index = await loop.next(q)
+            if index == FIRST:  # the first token, where it could not go direct (it ends the stream, say)
+                yield wpb.DecodeResponse(first=first_token_to_proto(out, out.prefill_s))
+                if out.finished:
+                    return
+                continue
+            outs = [out]
+            # The engine got ahead: send what is ready in one message (a direct stream's items
+            # here are not consecutive: each keeps its own index).
+            while index is None and not outs[-1].finished and (item := loop.take_ready(q)) is not None:
+                outs.append(item[0])
+            yield wpb.DecodeResponse(tokens=tokens_to_proto(outs, index=index or 0))
+            if outs[-1].finished:
+                return
 
     def _direct(self, request: wpb.DecodeRequest) -> DirectStream | None:
         """Where this stream's tokens go (all but the last), when the router asked for its token port."""
@@ -313,3 +330,9 @@ def _resolve(fut: asyncio.Future, value) -> None:
 
 def add_to_server(server: grpc.aio.Server, service: DecodeService) -> None:
     add_service(server, service, wpb.DESCRIPTOR.services_by_name["DecodeWorker"])
+
+
+def _finishes(msg: wpb.DecodeResponse) -> bool:
+    """Whether a message carries the stream's last token."""
+    return (msg.HasField("tokens") and bool(msg.tokens.finish_reason)
+            or msg.HasField("first") and bool(msg.first.finish_reason))

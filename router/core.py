@@ -7,7 +7,8 @@ membership) or a decode stream silent for `router.stall_timeout_s` raises RetryA
 `_attempts` runs the path again on other workers: it resumes after the tokens the client already
 has (the engines count them as outputs, so seeded sampling draws the same tokens), so the client
 sees one unbroken stream. Retries stop after `router.max_retries` or `router.retry_window_s`;
-an overload refusal (RESOURCE_EXHAUSTED) is never retried."""
+an overload refusal (RESOURCE_EXHAUSTED) is never retried. Reading the workers' calls, and what
+their failures mean, is router/worker_stream.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pdcommon.config import ClusterConfig
 from pdcommon.convert import layout_from_proto
 from pdcommon.grpc_server import message_options
 from pdcommon.security import ClusterIdentity
-from pdcommon.token_stream import FIRST, InOrder, TokenChunk
+from pdcommon.token_stream import FIRST
 from pdcommon.v1 import router_pb2 as pb
 from pdcommon.v1 import worker_pb2 as wpb
 from router.admission import Admission, Lease
@@ -31,10 +32,10 @@ from router.intake import Intake
 from router.launcher import Launcher
 from router.membership import Membership, WorkerRecord
 from router.policy import make_policy
-from router.request import RequestFailed, RequestState, RetryAttempt, client_cancelled
+from router.request import RequestFailed, RequestState, RetryAttempt
+from router.worker_stream import WorkerStreams, first_token, kv_figures, no_first
 
 log = logging.getLogger(__name__)
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED)
 
 
 class RouterCore:
@@ -46,6 +47,7 @@ class RouterCore:
         self.identity = identity or ClusterIdentity.from_config(cfg.security)
         self.members = Membership(cfg.heartbeat.dead_after_s, message_options(cfg.router.max_request_bytes),
                                   self.identity)
+        self.streams = WorkerStreams(self.members, cfg.router.stall_timeout_s)
         self.policy = make_policy(cfg.router.routing)
         self.launcher = launcher
         self.block_size = cfg.engine.block_size
@@ -230,7 +232,7 @@ class RouterCore:
             req.transfer_key, req.decode_transfer_public_key = lease.transfer_key, lease.worker.transfer_public_key
         call = pw.stub.Prefill(req, timeout=max(st.remaining, 0.001), metadata=self.identity.metadata)
         st.calls.append(call)  # stays open while the KV ships; cancelled with the attempt
-        msg = await self._read(st, call, pw)
+        msg = await self.streams.read(st, call, pw)
         pw.queued.pop(st.request_id, None)  # computed (or failed): no longer ahead of other prompts
         if msg is grpc.aio.EOF:
             raise RetryAttempt(f"prefill worker {pw.worker_id} closed the stream before the first token", "prefill",
@@ -241,9 +243,9 @@ class RouterCore:
         """The worker holding the lease computes the next token itself (colocated, or a short
         prompt prefilled by its decode worker)."""
         self._record_local(st, lease)
-        msg = await self._read(st, lease.call, lease.worker)
+        msg = await self.streams.read(st, lease.call, lease.worker)
         if msg is grpc.aio.EOF or not msg.HasField("first"):
-            raise self._no_first(lease.worker)
+            raise no_first(lease.worker)
         return self._first_token(st, msg.first)
 
     def _record_local(self, st: RequestState, lease: Lease) -> None:
@@ -254,7 +256,7 @@ class RouterCore:
         """As _first_local then _relay, with tokens direct: the first one comes on either channel
         (the worker's engine thread sends it direct unless it ends the stream), at index FIRST."""
         self._record_local(st, lease)
-        async with aclosing(self._direct_chunks(st, lease, start=FIRST)) as chunks:
+        async with aclosing(self.streams.direct_chunks(st, lease, start=FIRST)) as chunks:
             tok = await anext(chunks)
             first = self._first_token(st, first_token(tok))
             yield first
@@ -287,7 +289,8 @@ class RouterCore:
         return self._finish(msg, st, ft.finish_reason) if ft.finish_reason else msg
 
     async def _relay(self, st: RequestState, lease: Lease):
-        chunks = self._direct_chunks(st, lease) if lease.tokens is not None else self._call_chunks(st, lease)
+        streams = self.streams
+        chunks = streams.direct_chunks(st, lease) if lease.tokens is not None else streams.call_chunks(st, lease)
         async with aclosing(chunks):
             async for msg in self._relayed(st, chunks):
                 yield msg
@@ -299,7 +302,7 @@ class RouterCore:
             if first:
                 self._release_prefill(st)  # the KV landed: the prefill worker's fate no longer matters
                 first = False
-            self._kv_figures(st, tok)
+            kv_figures(st, tok)
             self._tokens(st, len(tok.token_ids))
             st.sent_ids.extend(tok.token_ids)
             out = pb.GenerateResponse(request_id=st.request_id, token_ids=tok.token_ids, text=tok.text,
@@ -309,124 +312,6 @@ class RouterCore:
                 yield self._finish(out, st, tok.finish_reason)
                 return
             yield out
-
-    @staticmethod
-    def _kv_figures(st: RequestState, tok) -> None:
-        if tok.kv_transfer_bytes:
-            st.transfer_s, st.transfer_bytes = tok.kv_transfer_s, tok.kv_transfer_bytes
-
-    async def _call_chunks(self, st: RequestState, lease: Lease):
-        """Every token on the Decode call."""
-        stall = self.cfg.router.stall_timeout_s
-        first = True
-        while True:
-            # The first message waits for the KV (bounded by the transfer timeout on the worker);
-            # after that, a stream silent for `stall` seconds is a hung worker.
-            msg = await self._read(st, lease.call, lease.worker, None if first else stall)
-            if msg is grpc.aio.EOF:
-                raise self._no_finish(lease.worker)
-            first = False
-            yield msg.tokens
-
-    async def _direct_chunks(self, st: RequestState, lease: Lease, start: int = 0):
-        """Tokens from two channels, put back in order: those the worker's engine thread sends
-        (pdcommon/token_stream.py), and on the call the last, any error, and any the engine
-        thread could not send. `start`: the first index (FIRST: a first token prefilled there)."""
-        q, stall = lease.tokens, self.cfg.router.stall_timeout_s
-
-        async def read_call() -> None:
-            try:
-                while True:
-                    msg = await self._read(st, lease.call, lease.worker)
-                    if msg is not grpc.aio.EOF and msg.HasField("first"):
-                        q.put_nowait(first_chunk(msg.first))
-                        if msg.first.finish_reason:
-                            return
-                        continue
-                    if msg is not grpc.aio.EOF and not msg.tokens.token_ids and not msg.tokens.finish_reason:
-                        # The KV's figures, ahead of the first token, which comes on the other
-                        # channel: not a chunk of the stream (an empty one would end it).
-                        self._kv_figures(st, msg.tokens)
-                        continue
-                    q.put_nowait(msg.tokens if msg is not grpc.aio.EOF else msg)
-                    if msg is grpc.aio.EOF or msg.tokens.finish_reason:
-                        return
-            except (RetryAttempt, RequestFailed) as e:
-                q.put_nowait(e)
-            except Exception as e:  # never leave the relay waiting for a reader that died
-                q.put_nowait(RequestFailed(grpc.StatusCode.INTERNAL, f"decode stream reader failed: {e!r}"))
-
-        pump = asyncio.create_task(read_call())
-        try:
-            order, first = InOrder(start), True
-            while True:
-                async with asyncio.timeout(None if first else stall):
-                    item = await q.get()
-                first = False
-                if isinstance(item, Exception):
-                    raise item
-                if item is grpc.aio.EOF and order.expected == FIRST:
-                    raise self._no_first(lease.worker)
-                if item is grpc.aio.EOF:
-                    raise self._no_finish(lease.worker)
-                for tok in order.push(item):
-                    yield tok
-                    if tok.finish_reason:
-                        return
-        except TimeoutError:
-            raise self._stalled(lease.worker, stall) from None
-        finally:
-            pump.cancel()
-
-    async def _read(self, st: RequestState, call, worker: WorkerRecord, stall_s: float | None = None):
-        """One message from a worker call; a failure becomes RetryAttempt or RequestFailed."""
-        try:
-            if stall_s is None:
-                return await call.read()
-            # asyncio.timeout, not wait_for: no extra task per token on the hot path.
-            async with asyncio.timeout(stall_s):
-                return await call.read()
-        except TimeoutError:
-            raise self._stalled(worker, stall_s) from None
-        except asyncio.CancelledError:
-            if client_cancelled():
-                raise  # our own task was cancelled (client gone): not a worker failure
-            failure = st.failure or RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{worker.role} worker "
-                                                  f"{worker.worker_id}: call cancelled (worker dropped)")
-            raise self._failed(failure.code, failure.message, worker) from None
-        except grpc.aio.AioRpcError as e:
-            if st.failure is not None:
-                raise self._failed(st.failure.code, st.failure.message, worker) from None
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                self.members.drop(worker.worker_id, f"failed mid-request ({e.details()})")
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and st.remaining <= 0:
-                raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "request deadline exceeded") from None
-            transfer = e.code() in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED)
-            what = "KV transfer to" if transfer else f"{worker.role} worker"
-            raise self._failed(e.code(), f"{what} {worker.worker_id} failed: {e.details()}", worker) from None
-
-    def _stalled(self, worker: WorkerRecord, stall_s: float) -> RetryAttempt:
-        """A stream silent for `stall_s`: the worker is hung, so it leaves the pool and the request moves."""
-        self.members.drop(worker.worker_id, f"stalled: no token for {stall_s:.1f}s")
-        return RetryAttempt(f"{worker.role} worker {worker.worker_id} stalled (no token for {stall_s:.1f}s)",
-                            worker.role, worker.worker_id)
-
-    @staticmethod
-    def _no_first(worker: WorkerRecord) -> RetryAttempt:
-        """A worker prefilling locally ended its stream before its first token: another may not."""
-        return RetryAttempt(f"worker {worker.worker_id} sent no first token", "colocated", worker.worker_id)
-
-    @staticmethod
-    def _no_finish(worker: WorkerRecord) -> RequestFailed:
-        return RequestFailed(grpc.StatusCode.INTERNAL,
-                             f"decode worker {worker.worker_id} ended the stream without a finish reason")
-
-    @staticmethod
-    def _failed(code: grpc.StatusCode, message: str, worker: WorkerRecord) -> Exception:
-        """What another attempt may fix is retried; anything else ends the request."""
-        if code in _RETRYABLE:
-            return RetryAttempt(message, worker.role, worker.worker_id)
-        return RequestFailed(code, message)
 
     def _tokens(self, st: RequestState, n: int) -> None:
         now = time.monotonic()
@@ -463,19 +348,3 @@ def slo_met(slo: pb.SloTargets | None, ttft: float, tpot: float) -> bool | None:
         return None
     return (not slo.HasField("ttft_ms") or ttft * 1e3 <= slo.ttft_ms) and \
            (not slo.HasField("tpot_ms") or tpot * 1e3 <= slo.tpot_ms)
-
-
-def first_chunk(ft: wpb.FirstToken) -> TokenChunk:
-    """A FirstToken from the call, as the chunk at FIRST the engine thread would have sent."""
-    return TokenChunk(FIRST, [ft.token_id], ft.text, [ft.logprob], finish_reason=ft.finish_reason,
-                      top_logprobs=(ft.top_logprobs,) if ft.HasField("top_logprobs") else (),
-                      prefill_s=ft.prefill_s, cached_tokens=ft.cached_tokens,
-                      prompt_logprobs=tuple(ft.prompt_logprobs), prompt_top_logprobs=tuple(ft.prompt_top_logprobs))
-
-
-def first_token(tok: TokenChunk) -> wpb.FirstToken:
-    """The chunk at FIRST as the FirstToken the rest of the request path reads."""
-    return wpb.FirstToken(token_id=tok.token_ids[0], logprob=tok.logprobs[0], text=tok.text,
-                          top_logprobs=tok.top_logprobs[0] if tok.top_logprobs else None,
-                          finish_reason=tok.finish_reason, cached_tokens=tok.cached_tokens, prefill_s=tok.prefill_s,
-                          prompt_logprobs=tok.prompt_logprobs, prompt_top_logprobs=tok.prompt_top_logprobs)
