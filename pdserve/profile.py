@@ -137,6 +137,35 @@ def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repe
     rng = random.Random(0)
     max_prompt = min(max_prompt, max_len - 1, capacity // 2)
     t0 = time.perf_counter()
+    samples, hits = _prefill_samples(eng, cfg, max_prompt, repeats, rng, log)
+    contexts = sorted({min(32, max_len // 4), min(512, max_len * 3 // 4)})
+    for context in contexts:
+        for b in _powers(1, max_batch):
+            if b * (context + steps + 2) > capacity:
+                log(f"  decode batch {b} at {context} tokens: skipped, needs more KV than the pool's {capacity} tokens")
+                continue
+            samples.append(measure_decode(eng, b, context, steps, rng))
+            log(f"  decode batch {b:3d} at {context:5d} tokens: {samples[-1].seconds * 1e3:8.2f} ms")
+    checks = []
+    for b, p in ((8, min(256, max_prompt)), (4, min(512, max_prompt))):
+        if b * (contexts[-1] + steps + 2) + p <= capacity:
+            # A mixed step is one step of its run: one timing moved with the host's speed (a
+            # 512-token prompt beside 4 decodes once took 272 ms where a prompt alone took 175).
+            runs = [measure_decode(eng, b, contexts[-1], steps, rng, prompt=p) for _ in range(repeats)]
+            checks.append(dataclasses.replace(runs[0], seconds=statistics.median(r.seconds for r in runs)))
+    meta = _meta(eng, cfg, torch.get_num_threads(), torch.__version__, time.perf_counter() - t0)
+    model = StepCostModel.fit(samples, kv_capacity_tokens=capacity, meta=meta)
+    model.meta["held_out"] = model.scored(checks)
+    model.meta["prefix_hits"] = model.scored(hits)  # in the fit: how well it carries the hit fraction
+    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    model.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
+    return model
+
+
+def _prefill_samples(eng, cfg, max_prompt: int, repeats: int, rng: random.Random, log,
+                     ) -> tuple[list[StepSample], list[StepSample]]:
+    """Prefill steps by prompt length (one prompt, and four sharing the step), then prefix hits;
+    returns (all samples, the hit samples among them)."""
     measure_prefill(eng, min(64, max_prompt), 1, 1, rng)  # warm-up: first calls allocate and pick kernels
     samples: list[StepSample] = []
     for n in _powers(16, max_prompt):
@@ -154,38 +183,21 @@ def run_profile(engine_config, max_prompt: int = 2048, max_batch: int = 64, repe
                 continue
             hits.append(measure_prefix_hit(eng, n, n - new, repeats, rng))
             log(f"  prefill {n:5d} tokens, {n - new:5d} cached: {hits[-1].seconds * 1e3:8.1f} ms")
-        samples += hits
-    contexts = sorted({min(32, max_len // 4), min(512, max_len * 3 // 4)})
-    for context in contexts:
-        for b in _powers(1, max_batch):
-            if b * (context + steps + 2) > capacity:
-                log(f"  decode batch {b} at {context} tokens: skipped, needs more KV than the pool's {capacity} tokens")
-                continue
-            samples.append(measure_decode(eng, b, context, steps, rng))
-            log(f"  decode batch {b:3d} at {context:5d} tokens: {samples[-1].seconds * 1e3:8.2f} ms")
-    checks = []
-    for b, p in ((8, min(256, max_prompt)), (4, min(512, max_prompt))):
-        if b * (contexts[-1] + steps + 2) + p <= capacity:
-            # A mixed step is one step of its run: one timing moved with the host's speed (a
-            # 512-token prompt beside 4 decodes once took 272 ms where a prompt alone took 175).
-            runs = [measure_decode(eng, b, contexts[-1], steps, rng, prompt=p) for _ in range(repeats)]
-            checks.append(dataclasses.replace(runs[0], seconds=statistics.median(r.seconds for r in runs)))
-    meta = {"model": cfg.model, "architecture": spec.architecture, "hidden_size": spec.hidden_size,
+    return samples + hits, hits
+
+
+def _meta(eng, cfg, threads: int, torch_version: str, seconds: float) -> dict:
+    spec = eng.spec
+    return {"model": cfg.model, "architecture": spec.architecture, "hidden_size": spec.hidden_size,
             "num_layers": spec.num_layers, "vocab_size": spec.vocab_size, "dtype": cfg.dtype,
-            "device": cfg.device, "block_size": cfg.block_size, "threads": torch.get_num_threads(),
+            "device": cfg.device, "block_size": cfg.block_size, "threads": threads,
             # The GEMM layout the steps ran with: on the AMD host MKL's decode batches were half
             # as fast, so a profile measured with one layout misleads a planner serving the other.
             "cpu_gemm": eng.gemm_layout, "gemm_routes": eng.gemm_routes,
-            "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(), "torch": torch_version,
             "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
             "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "profile_seconds": round(time.perf_counter() - t0, 1)}
-    model = StepCostModel.fit(samples, kv_capacity_tokens=capacity, meta=meta)
-    model.meta["held_out"] = model.scored(checks)
-    model.meta["prefix_hits"] = model.scored(hits)  # in the fit: how well it carries the hit fraction
-    itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
-    model.kv_bytes_per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * itemsize
-    return model
+            "profile_seconds": round(seconds, 1)}
 
 
 def add_transfer(model: StepCostModel, transport: str, log=print) -> None:
