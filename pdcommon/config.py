@@ -286,7 +286,9 @@ class PlannerSection(_Strict):
     # window, 2/5 for 900 s, 1/3 for 1200 s. On the Azure code trace at 512 workers, 600 s
     # reversed four scale-downs and met 89.1% of a 90% target; 900 s reversed one (decode, 123
     # -> 93 -> 100 two minutes later: the peak of 123 was 930 s old) and met 91.1%; 1200 s none,
-    # 91.6%, for 1-2 points of worker-hours on Azure.
+    # 91.6%, for 1-2 points of worker-hours on Azure. "Under a load with no trend": one that
+    # rises (the window's last quarter over the quarter before, router/planner/sla.py RISE_Z)
+    # holds every pool.
     scale_down_window_s: float = Field(1200.0, ge=0)
     cooldown_s: float = Field(120.0, ge=0)
     max_scale_down_fraction: float = Field(0.25, gt=0, le=1)

@@ -4,6 +4,7 @@ cooldowns, the scale-down window and hysteresis hold. No processes, no torch."""
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -459,6 +460,35 @@ def test_a_fresh_planner_grows_a_deployed_pool_only_when_it_misses():
         assert d.recommended["decode"] > deployed["decode"] * 1.05 > d.inputs["decode_floor"], d.recommended
         assert (d.desired["decode"] > deployed["decode"]) is grown, (d.desired, d.reasons)
         assert d.desired["prefill"] == deployed["prefill"]
+
+
+def _reversals(ds, pool: str, within_s: float = 600.0) -> list[tuple[float, float]]:
+    """(scale-down, scale-up) pairs of a pool within `within_s`: the issue's oscillation."""
+    downs = [d.at_s for d in ds if d.desired[pool] < d.current[pool]]
+    ups = [d.at_s for d in ds if d.desired[pool] > d.current[pool]]
+    return [(a, b) for a in downs for b in ups if 0 < b - a <= within_s]
+
+
+def test_no_pool_shrinks_while_the_arrivals_rise():
+    """The scale-down window's plans lag the load by up to a window: past a trough they still say
+    "smaller" while the load climbs back, and the pool had to grow again minutes later. A load
+    that rises (the last quarter window's arrivals over the quarter before, by RISE_Z standard
+    errors) holds every pool; a falling or flat one does not."""
+    pol = ScalePolicy(PlannerSection(mode="sla", profile="unused", scale_down_window_s=300, cooldown_s=0))
+    pools, small = {"prefill": 10, "decode": 10}, {"prefill": 4, "decode": 4}
+    for t in range(0, 330, 30):
+        pol.decide(float(t), pools, small, small)  # a whole window of plans that need fewer
+    d, reasons = pol.decide(330.0, pools, small, small, rising=True)
+    assert d == pools and "rising" in reasons["prefill"], reasons
+    assert pol.decide(360.0, pools, small, small)[0]["prefill"] < 10
+    # In the loop: a daily cycle of an hour, from 11 requests/s down to 1 and back. The pools
+    # still shrink toward the trough, but none grows within 10 minutes of shrinking (without the
+    # rule: 3 such pairs of each pool).
+    loads = [(6 + 5 * math.cos(2 * math.pi * i * INTERVAL / 3600), 1024, 64) for i in range(120)]
+    ds = drive(planner(scale_down_window_s=1200), loads, start={"prefill": 6, "decode": 6})
+    assert min(d.desired["prefill"] for d in ds) < 6
+    assert _reversals(ds, "prefill") == [] and _reversals(ds, "decode") == []
+    assert any("rising" in d.reasons["prefill"] for d in ds)
 
 
 def _budget_run(window_s: float, met: bool) -> tuple[SlaPlanner, list]:

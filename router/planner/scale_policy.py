@@ -2,7 +2,7 @@
 pool per interval) for a plan more than `scale_up_tolerance` above the pool; scale down only to
 the highest plan of the last `scale_down_window_s` at `hysteresis` more load, at most
 `max_scale_down_fraction` of a pool per interval, not within `cooldown_s` of a change, not
-before a whole window of plans; and within `max_total_workers`."""
+before a whole window of plans, not while the load is rising; and within `max_total_workers`."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ class ScalePolicy:
 
     def decide(self, now: float, current: dict[str, int], need: dict[str, int], relaxed: dict[str, int],
                keep_up: dict[str, int] | None = None, missing: dict[str, bool] | None = None,
-               ) -> tuple[dict[str, int], dict[str, str]]:
+               rising: bool = False) -> tuple[dict[str, int], dict[str, str]]:
         """What to run per pool, and why, given what the load needs (`need`), what it would need
         at the hysteresis' higher load (`relaxed`, the scale-down window's record), the fewest
         workers that keep up with it at all (`keep_up`: below that a queue grows without end, so
-        the scale-up tolerance does not hold a pool there), and whether each pool missed its goal
-        in the interval just seen (`missing`)."""
+        the scale-up tolerance does not hold a pool there), whether each pool missed its goal
+        in the interval just seen (`missing`), and whether the arrivals are rising (`rising`:
+        no pool shrinks into a load that is growing)."""
         cfg = self.cfg
         desired, reasons = {}, {}
         if self.first_plan is None:
@@ -73,6 +74,11 @@ class ScalePolicy:
                 desired[p], reasons[p] = cur, "hold"
             elif young:
                 desired[p], reasons[p] = cur, f"hold: fewer than {cfg.scale_down_window_s:.0f} s of plans"
+            elif rising:
+                # The window's plans lag the load by up to a window: past a trough they still
+                # say "smaller" while the load climbs back, and the pool must grow again minutes
+                # later (a `diurnal:` load of 30-minute period reversed three scale-downs so).
+                desired[p], reasons[p] = cur, "hold: the arrivals are rising"
             elif now - self.last_change[p] < cfg.cooldown_s:
                 desired[p], reasons[p] = cur, f"hold: cooldown after the last change ({cfg.cooldown_s:.0f} s)"
             else:

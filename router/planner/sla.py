@@ -68,6 +68,9 @@ LIGHT_LOAD = 0.5  # utilization under which observed latency corrects the profil
 # The error budget (_aim) lowers the planned attainment once the window holds this many finished
 # requests, at most this far below the target.
 BUDGET_MIN_REQUESTS, BUDGET_MAX_SPEND = 200, 0.3
+# The load is rising when the arrivals of the last quarter of the scale-down window exceed those
+# of the quarter before by this many Poisson standard errors (see ScalePolicy.decide, `rising`).
+RISE_Z = 3.0
 # The prefill correction is this quantile of a light block's served / profiled prefill times: a
 # prompt that shared its steps with others was served for theirs too. See _correct.
 ALONE_QUANTILE = 0.25
@@ -103,6 +106,7 @@ class SlaPlanner:
         self.backlog = 0  # requests with no first token yet at the end of the last interval
         self.met_sums = (0.0, 0.0)  # (met, ended: finished or failed), faded over the attainment window
         self.aim = cfg.target_attainment  # what this interval plans for (_aim)
+        self.arrived: deque[tuple[float, int]] = deque()  # (interval end, arrivals) for _rising
 
     def _age_sample(self, now: float) -> None:
         """The length mix of the stretch the forecast measured (at least SAMPLE_MIN arrivals),
@@ -190,13 +194,14 @@ class SlaPlanner:
         trusted = {p: self._trust(p) for p in POOLS}  # as this plan was sized, before the policy's change
         keep_up = {"prefill": self.prefill_model.prefill_keep_up(rate, pt, self.correction["prefill"]),
                    "decode": floor}
-        desired, reasons = self.policy.decide(now, current, need, relaxed, keep_up, self._missing(obs))
+        rising = self._rising(obs)
+        desired, reasons = self.policy.decide(now, current, need, relaxed, keep_up, self._missing(obs), rising)
         # rate_replayed: the replayed arrivals' own rate, which the prefill replay compresses to
         # rate_planned (their ratio is how much denser than seen the plan assumes the load).
         inputs = {"rate_observed": obs.rate, "rate_burst": burst, "rate_planned": rate, "rate_decode": decode_rate,
                   "rate_replayed": pt.own_rate,
                   "decode_floor": floor, "sample": len(self.sample), "miss_share_prefill": self.share,
-                  "arrival_cv2": cv2, "prefix_hit_fraction": self.hit_fraction,
+                  "arrival_cv2": cv2, "prefix_hit_fraction": self.hit_fraction, "arrivals_rising": rising,
                   "attainment_observed": obs.attainment(), "attainment_planned": self.aim,
                   "attainment_window": self.met_sums[0] / self.met_sums[1] if self.met_sums[1] else None,
                   "correction": dict(self.correction),
@@ -205,6 +210,19 @@ class SlaPlanner:
         decision = Decision(now, dict(current), desired, need, reasons, inputs)
         log.info("planner decision", extra={"decision": decision.to_dict()})
         return decision
+
+    def _rising(self, obs: Observation) -> bool:
+        """Whether the last quarter of the scale-down window had more arrivals than the quarter
+        before, by more than RISE_Z Poisson standard errors (False until both were seen)."""
+        span = self.cfg.scale_down_window_s / 4
+        self.arrived.append((obs.end_s, len(obs.arrivals)))
+        while self.arrived and self.arrived[0][0] <= obs.end_s - 2 * span:
+            self.arrived.popleft()
+        if span <= 0 or self.arrived[0][0] > obs.end_s - 2 * span + obs.duration_s:
+            return False
+        recent = sum(n for t, n in self.arrived if t > obs.end_s - span)
+        before = sum(n for t, n in self.arrived if t <= obs.end_s - span)
+        return recent - before > RISE_Z * math.sqrt(recent + before)
 
     def _missing(self, obs: Observation) -> dict[str, bool]:
         """Per pool, whether the requests that ended in the interval met its SLO less often than
