@@ -69,28 +69,31 @@ class ScalePolicy:
                 desired[p] = cur
                 reasons[p] = f"hold: the load needs {need[p]}, within {cfg.scale_up_tolerance:.0%} of the pool"
                 continue
-            floor = max(r for _, r in hist)
-            if floor >= cur:
-                desired[p], reasons[p] = cur, "hold"
-            elif young:
-                desired[p], reasons[p] = cur, f"hold: fewer than {cfg.scale_down_window_s:.0f} s of plans"
-            elif rising:
-                # The window's plans lag the load by up to a window: past a trough they still
-                # say "smaller" while the load climbs back, and the pool must grow again minutes
-                # later (a `diurnal:` load of 30-minute period reversed three scale-downs so).
-                desired[p], reasons[p] = cur, "hold: the arrivals are rising"
-            elif now - self.last_change[p] < cfg.cooldown_s:
-                desired[p], reasons[p] = cur, f"hold: cooldown after the last change ({cfg.cooldown_s:.0f} s)"
-            else:
-                step = max(1, math.floor(cur * cfg.max_scale_down_fraction))
-                desired[p] = max(floor, cur - step)
-                reasons[p] = (f"scale down: {cfg.scale_down_window_s:.0f} s of plans at +{cfg.hysteresis:.0%} "
-                              f"load need at most {floor}")
+            desired[p], reasons[p] = self._down(p, now, cur, young, rising)
         desired = self._budget(desired, need, reasons)
         for p in POOLS:
             if desired[p] != current.get(p, 0):
                 self.last_change[p] = now
         return desired, reasons
+
+    def _down(self, p: str, now: float, cur: int, young: bool, rising: bool) -> tuple[int, str]:
+        """A pool the load needs no more of: down to the window's highest plan, when it may."""
+        cfg = self.cfg
+        floor = max(r for _, r in self.history[p])
+        if floor >= cur:
+            return cur, "hold"
+        if young:
+            return cur, f"hold: fewer than {cfg.scale_down_window_s:.0f} s of plans"
+        if rising:
+            # The window's plans lag the load by up to a window: past a trough they still say
+            # "smaller" while the load climbs back, and the pool must grow again minutes later
+            # (a `diurnal:` load of 30-minute period reversed three scale-downs so).
+            return cur, "hold: the arrivals are rising"
+        if now - self.last_change[p] < cfg.cooldown_s:
+            return cur, f"hold: cooldown after the last change ({cfg.cooldown_s:.0f} s)"
+        step = max(1, math.floor(cur * cfg.max_scale_down_fraction))
+        return max(floor, cur - step), (f"scale down: {cfg.scale_down_window_s:.0f} s of plans at "
+                                        f"+{cfg.hysteresis:.0%} load need at most {floor}")
 
     def _budget(self, desired: dict[str, int], need: dict[str, int], reasons: dict[str, str]) -> dict[str, int]:
         total = self.cfg.max_total_workers
