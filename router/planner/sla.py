@@ -178,19 +178,7 @@ class SlaPlanner:
         need = self._size(rate, decode_rate, pt, dt)
         floor = decode_load.floor_workers(self.decode_model.profile, obs)
         need["decode"] = max(need["decode"], floor)
-        # A scale-down also needs confidence that the load fell: the planned rate plus two
-        # Poisson standard errors, so that a quiet interval at low rates (a handful of arrivals)
-        # does not shed a worker the next one needs back. The error is the rate's over a
-        # quarter of the scale-down window, not over one interval: the window's highest plan
-        # is kept anyway, and the maximum of 20 one-interval margins would count noise twice.
-        # The window's maximum, the noise and the hysteresis are the whole margin: a forecast
-        # 600 s ahead (the trend's slope x 600 s, mostly noise at a few arrivals per interval)
-        # and a goal tightened for shrinking came on top, and kept the pools 1.3-1.9x what the
-        # load needed on the Mooncake trace.
-        noise = 2 * math.sqrt(rate / max(cfg.interval_s, cfg.scale_down_window_s / 4))
-        grow = (rate + noise) * (1 + cfg.hysteresis) / rate if rate > 0 else 1.0
-        relaxed = self._size(rate * grow, decode_rate * grow, pt, dt)
-        relaxed["decode"] = max(relaxed["decode"], floor)
+        relaxed = self._relaxed(rate, decode_rate, pt, dt, floor)
         trusted = {p: self._trust(p) for p in POOLS}  # as this plan was sized, before the policy's change
         keep_up = {"prefill": self.prefill_model.prefill_keep_up(rate, pt, self.correction["prefill"]),
                    "decode": floor}
@@ -210,6 +198,24 @@ class SlaPlanner:
         decision = Decision(now, dict(current), desired, need, reasons, inputs)
         log.info("planner decision", extra={"decision": decision.to_dict()})
         return decision
+
+    def _relaxed(self, rate: float, decode_rate: float, pt: Terms, dt: Terms, floor: int) -> dict[str, int]:
+        """What the pools would need at a higher load: the record a scale-down must stay above.
+        A scale-down also needs confidence that the load fell: the planned rate plus two
+        Poisson standard errors, so that a quiet interval at low rates (a handful of arrivals)
+        does not shed a worker the next one needs back. The error is the rate's over a
+        quarter of the scale-down window, not over one interval: the window's highest plan
+        is kept anyway, and the maximum of 20 one-interval margins would count noise twice.
+        The window's maximum, the noise and the hysteresis are the whole margin: a forecast
+        600 s ahead (the trend's slope x 600 s, mostly noise at a few arrivals per interval)
+        and a goal tightened for shrinking came on top, and kept the pools 1.3-1.9x what the
+        load needed on the Mooncake trace."""
+        cfg = self.cfg
+        noise = 2 * math.sqrt(rate / max(cfg.interval_s, cfg.scale_down_window_s / 4))
+        grow = (rate + noise) * (1 + cfg.hysteresis) / rate if rate > 0 else 1.0
+        relaxed = self._size(rate * grow, decode_rate * grow, pt, dt)
+        relaxed["decode"] = max(relaxed["decode"], floor)
+        return relaxed
 
     def _rising(self, obs: Observation) -> bool:
         """Whether the last quarter of the scale-down window had more arrivals than the quarter
