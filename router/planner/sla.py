@@ -221,10 +221,12 @@ class SlaPlanner:
         """Whether the last quarter of the scale-down window had more arrivals than the quarter
         before, by more than RISE_Z Poisson standard errors (False until both were seen)."""
         span = self.cfg.scale_down_window_s / 4
+        if span <= 0:
+            return False
         self.arrived.append((obs.end_s, len(obs.arrivals)))
-        while self.arrived and self.arrived[0][0] <= obs.end_s - 2 * span:
+        while self.arrived[0][0] <= obs.end_s - 2 * span:  # never the interval just appended
             self.arrived.popleft()
-        if span <= 0 or self.arrived[0][0] > obs.end_s - 2 * span + obs.duration_s:
+        if self.arrived[0][0] > obs.end_s - 2 * span + obs.duration_s:
             return False
         recent = sum(n for t, n in self.arrived if t > obs.end_s - span)
         before = sum(n for t, n in self.arrived if t <= obs.end_s - span)
