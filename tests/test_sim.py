@@ -234,6 +234,10 @@ def test_pdserve_simulate_cli(tmp_path):
         assert {"attainment", "goodput", "worker_hours"} <= set(res[key])
     assert set(res["best_static"]["split"]) == {"prefill", "decode"}
     assert (tmp_path / "sim.png").stat().st_size > 10_000
+    # Each row also says which SLO its misses are of, as the JSON does.
+    p = res["planner"]
+    assert (f"planner    : attainment {p['attainment']:.1%} (TTFT {p['ttft_attainment']:.1%}, "
+            f"TPOT {p['tpot_attainment']:.1%})") in done.stdout, done.stdout
     static = subprocess.run(cmd[:-2] + ["--static", "1:2", "--json", str(tmp_path / "s.json")], capture_output=True,
                             text=True, timeout=300)
     assert static.returncode == 0, static.stderr

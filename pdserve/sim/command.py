@@ -133,6 +133,11 @@ def plot(out: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _met(s: dict) -> str:
+    """Both SLOs, then each alone: which pool the misses come from."""
+    return f"{s['attainment']:.1%} (TTFT {s['ttft_attainment']:.1%}, TPOT {s['tpot_attainment']:.1%})"
+
+
 def main(args) -> int:
     out = run(args)
     path = Path(args.json)
@@ -140,7 +145,7 @@ def main(args) -> int:
     path.write_text(json.dumps(out, indent=1, default=str) + "\n")
     if "static" in out:
         s = out["static"]
-        print(f"static {s['split']}: attainment {s['attainment']:.1%}, goodput {s['goodput']:.2f} req/s, "
+        print(f"static {s['split']}: attainment {_met(s)}, goodput {s['goodput']:.2f} req/s, "
               f"TTFT p50/p90 {s['ttft_p50_s'] * 1e3:.0f}/{s['ttft_p90_s'] * 1e3:.0f} ms, "
               f"TPOT p50/p90 {s['tpot_p50_s'] * 1e3:.1f}/{s['tpot_p90_s'] * 1e3:.1f} ms")
     else:
@@ -148,7 +153,7 @@ def main(args) -> int:
         plot(out, png)
         for name in ("planner", "best_static"):
             s = out[name]
-            print(f"{name:11s}: attainment {s['attainment']:.1%}, goodput {s['goodput']:.2f} req/s, "
+            print(f"{name:11s}: attainment {_met(s)}, goodput {s['goodput']:.2f} req/s, "
                   f"{s['worker_hours']:.2f} worker-h, peak {s['peak_replicas']}"
                   + (f", split {s['split']}" if "split" in s else f", {s['oscillations']} oscillations, "
                      f"{s['reversals_per_hour']:.1f} reversals/h"))
