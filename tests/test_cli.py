@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from pdcommon.client import RouterClient
-from pdserve.launch.ports import free_port
+from pdserve.launch.ports import free_port, free_ports
 from tests.conftest import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,7 +234,7 @@ def test_standalone_components_and_a_torch_free_router(chat_model, tmp_path):
     """`pdserve router|prefill|decode` as Kubernetes runs them: separate processes on their own
     ports, workers registering and heartbeating to the router. The router serves a completion
     and a chat request without ever loading torch."""
-    rport, hport, cport = free_port("127.0.0.1"), free_port("127.0.0.1"), free_port("127.0.0.1")
+    rport, hport, cport = free_ports("127.0.0.1", 3)
     cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     cfg.update(model=chat_model, heartbeat={"interval_s": 0.5})
     cfg["router"].update(host="127.0.0.1", port=rport, http_port=hport, control_port=cport)
@@ -302,11 +302,11 @@ def test_up_joins_an_existing_ray_cluster():
     import shutil
     import tempfile
 
-    port = free_port("127.0.0.1")
+    port, client_port = free_ports("127.0.0.1", 2)
     tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")  # short: Ray's socket paths must fit AF_UNIX limits
     head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                              "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                             f"--ray-client-server-port={free_port('127.0.0.1')}",
+                             f"--ray-client-server-port={client_port}",
                              "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={tmp}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

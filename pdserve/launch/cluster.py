@@ -10,7 +10,7 @@ from pathlib import Path
 from pdcommon.client import ControlClient
 from pdcommon.config import ClusterConfig
 from pdcommon.security import ClusterIdentity, provision_token, remove_secret, token_path
-from pdserve.launch.ports import free_port
+from pdserve.launch.ports import free_ports
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +26,9 @@ def pin_ports(cfg: ClusterConfig) -> None:
     """Replace the router's port-0 ("any free port") settings with concrete free ports, so that
     workers can be told where the router's control plane is before it listens."""
     r = cfg.router
-    for attr in ("port", "http_port", "control_port"):
-        if getattr(r, attr) == 0:
-            setattr(r, attr, free_port(r.host))
+    unset = [attr for attr in ("port", "http_port", "control_port") if getattr(r, attr) == 0]
+    for attr, port in zip(unset, free_ports(r.host, len(unset)), strict=True):
+        setattr(r, attr, port)
 
 
 class RayCluster:
