@@ -62,20 +62,16 @@ def _empty_actor_pid() -> int:
 def standalone(seconds: float, settle: float) -> dict[str, float]:
     """The same cluster as three `pdserve` processes (no Ray): percent of a core each."""
     import os
-    import socket
     import subprocess
     import tempfile
 
     import yaml
 
     from pdcommon.security import new_token, write_secret
+    from pdserve.launch.ports import free_ports
 
     tmp = Path(tempfile.mkdtemp(prefix="pdidle-"))
-    ports = []
-    for _ in range(3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
+    ports = free_ports("127.0.0.1", 3)
     cfg = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     cfg["router"].update(port=ports[0], http_port=ports[1], control_port=ports[2])
     cfg["security"] = {"token_file": str(write_secret(tmp / "token", new_token()))}

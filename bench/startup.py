@@ -27,14 +27,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from pdserve.launch.ports import free_port  # noqa: E402  (after the path: run as a script)
+from pdserve.launch.ports import free_ports  # noqa: E402  (after the path: run as a script)
 
 OUT = Path(__file__).resolve().parent / "out"
 MODEL = ROOT.parent / "shared" / "models" / "stories260K"
 
 
 def one_start(launcher: str) -> dict:
-    port, http, control = (free_port("127.0.0.1") for _ in range(3))
+    port, http, control = free_ports("127.0.0.1", 3)
     cmd = [sys.executable, "-m", "pdserve.cli", "up", "--launcher", launcher, "--config", "configs/local.yaml",
            "--model", str(MODEL), "--port", str(port), "--http-port", str(http), "--control-port", str(control)]
     t0 = time.perf_counter()

@@ -618,9 +618,10 @@ def _process_cluster(overrides: dict):
     from serve import Server
 
     from pdcommon.config import load_config
-    from pdserve.launch.ports import free_port
+    from pdserve.launch.ports import free_ports
 
-    ports = {name: free_port("127.0.0.1") for name in ("port", "http_port", "control_port", "token_port")}
+    names = ("port", "http_port", "control_port", "token_port")
+    ports = dict(zip(names, free_ports("127.0.0.1", len(names)), strict=True))
     cfg = load_config(None, **{f"router.{k}": v for k, v in ports.items()}, **overrides)
     with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
         path = Path(tmp) / "cluster.yaml"
