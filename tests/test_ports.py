@@ -44,3 +44,14 @@ def test_the_router_ports_pinned_together_are_distinct(monkeypatch):
     ports = [cfg.router.port, cfg.router.http_port, cfg.router.control_port]
     assert len(set(ports)) == 3, ports
     assert len(set(free_ports("127.0.0.1", 5))) == 5
+
+
+def test_ports_pinned_beside_a_given_one_avoid_it(monkeypatch):
+    """A control port given by number but not yet bound (as `pdserve up --control-port N`) is not
+    handed out again for the gRPC or HTTP port."""
+    low = ephemeral_low() or 32768
+    given = low - 400
+    monkeypatch.setattr("random.sample", lambda population, k: list(range(given, given + k)))
+    cfg = ClusterConfig.model_validate({"model": "m", "router": {"port": 0, "http_port": 0, "control_port": given}})
+    pin_ports(cfg)
+    assert given not in (cfg.router.port, cfg.router.http_port), cfg.router

@@ -26,8 +26,10 @@ def pin_ports(cfg: ClusterConfig) -> None:
     """Replace the router's port-0 ("any free port") settings with concrete free ports, so that
     workers can be told where the router's control plane is before it listens."""
     r = cfg.router
-    unset = [attr for attr in ("port", "http_port", "control_port") if getattr(r, attr) == 0]
-    for attr, port in zip(unset, free_ports(r.host, len(unset)), strict=True):
+    attrs = ("port", "http_port", "control_port")
+    unset = [attr for attr in attrs if getattr(r, attr) == 0]
+    given = frozenset(getattr(r, attr) for attr in attrs if getattr(r, attr))
+    for attr, port in zip(unset, free_ports(r.host, len(unset), exclude=given), strict=True):
         setattr(r, attr, port)
 
 

@@ -25,15 +25,16 @@ def ephemeral_low() -> int | None:
         return None
 
 
-def free_ports(host: str, n: int, tries: int = 50) -> list[int]:
-    """`n` distinct ports free on `host` now, outside the ephemeral range when the host says where
-    that is (else whatever the kernel gives for port 0). Each probe stays bound until all `n` are
-    chosen: picked one at a time and released, two picks could name the same port, and the
-    router's HTTP bind then lost to its own gRPC server (seen once in CI)."""
+def free_ports(host: str, n: int, tries: int = 50, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """`n` distinct ports free on `host` now and not in `exclude` (ports already promised to
+    someone), outside the ephemeral range when the host says where that is (else whatever the
+    kernel gives for port 0). Each probe stays bound until all `n` are chosen: picked one at a
+    time and released, two picks could name the same port, and the router's HTTP bind then lost
+    to its own gRPC server (seen once in CI)."""
     held: list[socket.socket] = []
     try:
         for _ in range(n):
-            held.append(_probe(host, tries))
+            held.append(_probe(host, tries, exclude))
         return [s.getsockname()[1] for s in held]
     finally:
         for s in held:
@@ -45,12 +46,12 @@ def free_port(host: str, tries: int = 50) -> int:
     return free_ports(host, 1, tries)[0]
 
 
-def _probe(host: str, tries: int) -> socket.socket:
+def _probe(host: str, tries: int, exclude: frozenset[int]) -> socket.socket:
     """A socket bound to a free port below the ephemeral range where there is one, else to the
     kernel's choice; the caller closes it."""
     low = ephemeral_low()
     candidates = random.sample(range(LOWEST, low), min(tries, low - LOWEST)) if low and low > LOWEST + 1000 else []
-    for port in [*candidates, 0]:
+    for port in [*(c for c in candidates if c not in exclude), 0]:
         s = socket.socket()
         try:
             s.bind((host, port))
