@@ -8,7 +8,7 @@ output is compared with the engine alone. Leaks are read from outside the proces
 router in-flight entries) and each surviving worker's open file descriptors and RSS before and
 after. Writes bench/out/soak.json and prints a one-line summary.
 
-Run: .venv/bin/python bench/soak.py [--streams 500] [--max-tokens 64] [--quick]
+Run: .venv/bin/python bench/soak.py [--streams 500] [--max-tokens 64] [--out PATH]
 """
 
 from __future__ import annotations
