@@ -51,11 +51,14 @@ def _probe(host: str, tries: int, exclude: frozenset[int]) -> socket.socket:
     kernel's choice; the caller closes it."""
     low = ephemeral_low()
     candidates = random.sample(range(LOWEST, low), min(tries, low - LOWEST)) if low and low > LOWEST + 1000 else []
-    for port in [*(c for c in candidates if c not in exclude), 0]:
+    for port in [*(c for c in candidates if c not in exclude), *[0] * tries]:
         s = socket.socket()
         try:
             s.bind((host, port))
         except OSError:
+            s.close()
+            continue
+        if s.getsockname()[1] in exclude:  # the kernel's choice can be a promised port too
             s.close()
             continue
         return s
