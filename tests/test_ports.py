@@ -55,3 +55,13 @@ def test_ports_pinned_beside_a_given_one_avoid_it(monkeypatch):
     cfg = ClusterConfig.model_validate({"model": "m", "router": {"port": 0, "http_port": 0, "control_port": given}})
     pin_ports(cfg)
     assert given not in (cfg.router.port, cfg.router.http_port), cfg.router
+
+
+def test_ports_pinned_beside_a_given_token_port_avoid_it(monkeypatch):
+    """The router binds its token port by number too (`router.token_port`): not handed out again."""
+    low = ephemeral_low() or 32768
+    given = low - 400
+    monkeypatch.setattr("random.sample", lambda population, k: list(range(given, given + k)))
+    cfg = ClusterConfig.model_validate({"model": "m", "router": {"port": 0, "http_port": 0, "token_port": given}})
+    pin_ports(cfg)
+    assert given not in (cfg.router.port, cfg.router.http_port, cfg.router.control_port), cfg.router

@@ -28,7 +28,8 @@ def pin_ports(cfg: ClusterConfig) -> None:
     r = cfg.router
     attrs = ("port", "http_port", "control_port")
     unset = [attr for attr in attrs if getattr(r, attr) == 0]
-    given = frozenset(getattr(r, attr) for attr in attrs if getattr(r, attr))
+    # Every port the router will bind by number, its token port's included, is taken already.
+    given = frozenset(port for port in (r.port, r.http_port, r.control_port, r.token_port) if port)
     for attr, port in zip(unset, free_ports(r.host, len(unset), exclude=given), strict=True):
         setattr(r, attr, port)
 
