@@ -70,6 +70,20 @@ def test_shared_prefix_hits_cache_and_ships_fewer_bytes(cluster, story):
         wait_pools_empty(client)
 
 
+def test_the_cluster_actors_live_in_the_pdserve_namespace(cluster):
+    """Named in one known namespace, not the anonymous one of a bare ray.init: another job (the
+    router restarted, `pdserve down`) finds them by name there, and Ray does not warn about a
+    detached actor in an anonymous namespace for every worker started."""
+    import ray
+
+    from pdserve.launch.cluster import RAY_NAMESPACE
+
+    mine = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(cluster.name)}
+    assert len(mine) == 5, mine  # the router and the four workers
+    assert set(mine.values()) == {RAY_NAMESPACE}
+
+
 def test_engines_run_at_normal_priority(cluster, story):
     """Ray starts worker processes at nice 15; pdserve's workers come back to process.nice (0),
     so the thread that ran the engine's steps is not behind every other process on the host."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from pdcommon.client import ControlClient
@@ -13,6 +15,11 @@ from pdcommon.security import ClusterIdentity, provision_token, remove_secret, t
 from pdserve.launch.ports import free_ports
 
 log = logging.getLogger(__name__)
+
+# Every pdserve cluster's actors live in one Ray namespace (each cluster's names carry its own
+# prefix): a detached actor made from the anonymous namespace a bare ray.init gives cannot be
+# found again by name from another job, and Ray warns about it on every worker started.
+RAY_NAMESPACE = "pdserve"
 
 
 def ray_address(cfg: ClusterConfig) -> str | None:
@@ -32,6 +39,21 @@ def pin_ports(cfg: ClusterConfig) -> None:
     given = frozenset(port for port in (r.port, r.http_port, r.control_port, r.token_port) if port)
     for attr, port in zip(unset, free_ports(r.host, len(unset), exclude=given), strict=True):
         setattr(r, attr, port)
+
+
+@contextlib.contextmanager
+def _quiet_default_token_auth() -> Iterator[None]:
+    """An embedded Ray instance turns token authentication on by default and logs a warning saying
+    so on every start. With RAY_AUTH_MODE unset that is the only thing its logger says, so it is
+    kept at ERROR meanwhile; a mode the user set (disabled included) is left to speak."""
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = logger.level
+    if "RAY_AUTH_MODE" not in os.environ:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class RayCluster:
@@ -66,12 +88,13 @@ class RayCluster:
             if address is None:
                 # Ray starts workers at nice 15 by default; ours return to process.nice themselves,
                 # which needs privilege, so the embedded instance starts them at 0 to begin with.
-                ray.init(address="local", _node_ip_address=r.node_ip_address, include_dashboard=False,
-                         num_cpus=r.num_cpus or os.cpu_count(), log_to_driver=False, configure_logging=False,
-                         _system_config={"worker_niceness": 0})
+                with _quiet_default_token_auth():
+                    ray.init(address="local", _node_ip_address=r.node_ip_address, include_dashboard=False,
+                             num_cpus=r.num_cpus or os.cpu_count(), log_to_driver=False, configure_logging=False,
+                             namespace=RAY_NAMESPACE, _system_config={"worker_niceness": 0})
             else:
                 ip = {"_node_ip_address": r.node_ip_address} if r.node_ip_address else {}
-                ray.init(address=address, log_to_driver=False, **ip)
+                ray.init(address=address, log_to_driver=False, namespace=RAY_NAMESPACE, **ip)
             self._own_ray = True
         self._pin_ports()
         r = self.cfg.router
