@@ -28,21 +28,13 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), 1.0 / slope
 
 
-def measure_transfer(transport: str, kv_bytes_per_token: int, block_size: int, tokens: tuple[int, ...] = DEFAULT_TOKENS,
-                     repeats: int = 5, frame_blocks: int = 64) -> dict:
+def _receive_into(rx, dst, stop: threading.Event) -> threading.Thread:
+    """The decode side: check each transfer's checksums, copy its frames into `dst`, acknowledge."""
     import numpy as np
 
-    from transfer import build_header, make_receiver, make_sender, verify
+    from transfer import verify
 
-    block_nbytes = kv_bytes_per_token * block_size
-    biggest = -(-max(tokens) // block_size)
-    src = np.random.default_rng(0).integers(0, 255, biggest * block_nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    rx = make_receiver(transport, host="127.0.0.1")
-    tx = make_sender(transport)
-    stop = threading.Event()
-
-    def receive() -> None:
+    def loop() -> None:
         while not stop.is_set():
             for item in rx.poll(0.01):
                 try:
@@ -58,33 +50,58 @@ def measure_transfer(transport: str, kv_bytes_per_token: int, block_size: int, t
                 except Exception as e:  # reported to the sender, which fails the measurement
                     item.ack(False, str(e))
 
-    thread = threading.Thread(target=receive, daemon=True)
+    thread = threading.Thread(target=loop, daemon=True)
     thread.start()
+    return thread
+
+
+def _time_one_size(tx, address: str, src, n_tokens: int, block_size: int, block_nbytes: int, frame_blocks: int,
+                   repeats: int) -> tuple[int, float]:
+    """(bytes, median seconds) of sending one n_tokens prompt's KV, `repeats` times after a warm-up."""
+    from transfer import build_header
+
+    blocks = -(-n_tokens // block_size)
+    per = [min(frame_blocks, blocks - i) for i in range(0, blocks, frame_blocks)]
+    frames, off = [], 0
+    for nb in per:
+        frames.append(memoryview(src[off:off + nb * block_nbytes]))
+        off += nb * block_nbytes
+    times = []
+    for r in range(repeats + 1):
+        header = build_header(f"profile-{n_tokens}-{r}", "uint8", [block_nbytes], block_nbytes,
+                              [None] * blocks, frames, per)
+        t0 = time.perf_counter()
+        handle = tx.send(address, header, frames, timeout_s=30.0)
+        while not handle.done:
+            tx.poll()
+            time.sleep(0.0002)
+        if handle.error:
+            raise RuntimeError(f"profile transfer failed: {handle.error}")
+        if r:  # the first one connects
+            times.append(time.perf_counter() - t0)
+    return off, statistics.median(times)
+
+
+def measure_transfer(transport: str, kv_bytes_per_token: int, block_size: int, tokens: tuple[int, ...] = DEFAULT_TOKENS,
+                     repeats: int = 5, frame_blocks: int = 64) -> dict:
+    import numpy as np
+
+    from transfer import make_receiver, make_sender
+
+    block_nbytes = kv_bytes_per_token * block_size
+    biggest = -(-max(tokens) // block_size)
+    src = np.random.default_rng(0).integers(0, 255, biggest * block_nbytes, dtype=np.uint8)
+    rx = make_receiver(transport, host="127.0.0.1")
+    tx = make_sender(transport)
+    stop = threading.Event()
+    thread = _receive_into(rx, np.empty_like(src), stop)
     points, rows = [], []
     try:
         for n_tokens in tokens:
-            blocks = -(-n_tokens // block_size)
-            per = [min(frame_blocks, blocks - i) for i in range(0, blocks, frame_blocks)]
-            frames, off = [], 0
-            for nb in per:
-                frames.append(memoryview(src[off:off + nb * block_nbytes]))
-                off += nb * block_nbytes
-            times = []
-            for r in range(repeats + 1):
-                header = build_header(f"profile-{n_tokens}-{r}", "uint8", [block_nbytes], block_nbytes,
-                                      [None] * blocks, frames, per)
-                t0 = time.perf_counter()
-                handle = tx.send(rx.address, header, frames, timeout_s=30.0)
-                while not handle.done:
-                    tx.poll()
-                    time.sleep(0.0002)
-                if handle.error:
-                    raise RuntimeError(f"profile transfer failed: {handle.error}")
-                if r:  # the first one connects
-                    times.append(time.perf_counter() - t0)
-            seconds = statistics.median(times)
-            points.append((off, seconds))
-            rows.append({"tokens": n_tokens, "bytes": off, "seconds": seconds})
+            nbytes, seconds = _time_one_size(tx, rx.address, src, n_tokens, block_size, block_nbytes, frame_blocks,
+                                             repeats)
+            points.append((nbytes, seconds))
+            rows.append({"tokens": n_tokens, "bytes": nbytes, "seconds": seconds})
     finally:
         stop.set()
         thread.join()

@@ -197,3 +197,17 @@ def test_pdserve_profile_on_a_real_engine(tmp_path, stories_path):
     hits = model.meta["prefix_hits"]
     assert [h["prefills"] for h in hits] == [[[128, 256]], [[64, 256]], [[32, 256]]]
     assert all(h["predicted"] > 0 for h in hits)
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc"])
+def test_the_transfer_profile_sends_real_kv_and_fits_it(transport):
+    """`pdserve profile --transfer`'s measurement: real transfers of each size, checked and landed
+    by a receiver thread, and a fit whose costs are positive and predict the sizes it measured."""
+    from pdserve.profile_transfer import measure_transfer
+
+    got = measure_transfer(transport, 1280, 16, tokens=(16, 256, 2048), repeats=2)
+    assert [p["bytes"] for p in got["points"]] == [1280 * 16, 1280 * 256, 1280 * 2048]
+    assert got["bytes_per_s"] > 0 and got["fixed_s"] >= 0
+    biggest = got["points"][-1]
+    predicted = got["fixed_s"] + biggest["bytes"] / got["bytes_per_s"]
+    assert 0.2 < predicted / biggest["seconds"] < 5  # a fit of these points, not a constant
