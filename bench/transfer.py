@@ -49,207 +49,34 @@ Writes bench/out/transfer.json. Run: .venv/bin/python bench/transfer.py [--quick
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import multiprocessing as mp
 import os
-import queue
-import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from transfer_endpoints import (  # noqa: E402  (bench/ and the repository on the path first)
+    RawBaseline,
+    frame_bytes,
+    make_pool,
+    prompt_of,
+    receiver_main,
+    reps_for,
+    tls_credentials,
+    transfer_key,
+    turn,
+)
+from transfer_ttft import ttft_split  # noqa: E402
+
 OUT = Path(__file__).resolve().parent / "out"
 SIZES_MIB = [1, 16, 256]
 ONLY_ROWS = {"zmq", "grpc", "curve", "tls", "shm", "ttft"}  # what --only may name
-BLOCK_SHAPE = (8, 2, 16, 4, 64)  # layers, K/V, block_size, kv_heads, head_dim of the 50M model
-BLOCK_SIZE = 16
-
-def _frame_bytes() -> int:
-    """The frame size the cluster ships with (transfer.max_frame_bytes), unless overridden to compare."""
-    from pdcommon.config import TransferSection
-
-    return int(os.environ.get("PDSERVE_BENCH_FRAME_BYTES", 0)) or TransferSection().max_frame_bytes
-
-
-
-def make_pool(num_blocks: int, fill: bool, shared: bool = False):
-    """A KV pool with the 50M model's block geometry, behind the engine's own seam (KVCache);
-    `shared`: in a memfd, as a prefill worker's is with transfer.shared_memory."""
-    import numpy as np
-    import torch
-
-    from engine.kv_cache import KVCache
-    from engine.model_meta import ModelSpec
-
-    layers, _, bs, kv_heads, head_dim = BLOCK_SHAPE
-    spec = ModelSpec("LlamaForCausalLM", 32000, 512, 1408, layers, 8, kv_heads, head_dim, 1e-6, 4096, False)
-    kv = KVCache(spec, num_blocks, bs, "float32", torch.device("cpu"), shared=shared)
-    if fill:
-        rng = np.random.default_rng(0)
-        step = 256
-        for start in range(0, num_blocks, step):
-            ids = list(range(start, min(start + step, num_blocks)))
-            kv.land(ids, rng.standard_normal(len(ids) * kv.layout.block_nbytes // 4, dtype=np.float32).tobytes())
-    return kv
-
-
-@functools.lru_cache(maxsize=8)
-def prompt_of(n_blocks: int) -> tuple[list[int], list[int]]:
-    """A prompt of n_blocks full blocks and its block-hash chain, the same for every transfer of
-    that size: in a worker both exist before the KV ships (the prefill's sequence holds the
-    hashes; the decode worker's reservation was made with them when the request was admitted),
-    so neither end computes them on the clock. Per request id, the receiver drew and hashed the
-    prompt when the header came in: 0.5 ms of a 16 MiB transfer, 7 ms of a 256 MiB one."""
-    from engine.hashing import hash_blocks
-
-    rng = random.Random(n_blocks)
-    tokens = [rng.randrange(3, 32000) for _ in range(n_blocks * BLOCK_SIZE)]
-    return tokens, hash_blocks(tokens, BLOCK_SIZE)
-
-
-def transfer_key(rid: str) -> bytes | None:
-    """Both processes derive each transfer's key from its id; "-off-" transfers have none."""
-    import hashlib
-
-    return None if "-off-" in rid else hashlib.sha256(rid.encode()).digest()
-
-
-def tls_credentials(certs_dir: str | None) -> dict:
-    if not certs_dir:
-        return {}
-    from pdcommon.security import Certs, ClusterIdentity
-
-    return ClusterIdentity("mtls", certs=Certs.load(certs_dir)).transfer_credentials()
-
-
-RAW_GRPC_METHOD = "/bench.Raw/Push"
-RAW_GRPC_LANE_METHOD = "/bench.Raw/Lane"
-
-
-def _raw_grpc_server():
-    """The gRPC baseline: a client-streaming call of raw byte chunks, read and dropped, then a
-    one-message reply. Same chunking as the gRPC transport; no header, checks or landing. Also a
-    bidirectional method answering each message with one (what a lane does for a KV of one
-    chunk). Returns the started server and its address."""
-    from concurrent import futures
-
-    import grpc
-
-    from transfer.grpc_transport import OPTIONS
-
-    def push(chunks, context) -> bytes:
-        n = sum(len(c) for c in chunks)
-        return str(n).encode()
-
-    def lane(messages, context):
-        for m in messages:
-            yield str(len(m)).encode()
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=OPTIONS)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "bench.Raw", {"Push": grpc.stream_unary_rpc_method_handler(push),
-                      "Lane": grpc.stream_stream_rpc_method_handler(lane)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, f"127.0.0.1:{port}"
-
-
-def _raw_zmq_echo(ctx, stop) -> tuple[str, str]:
-    """The ZeroMQ baseline beside a transport's receiver: PULL each message, PUSH its first part
-    back (a one-message acknowledgement). Returns (where to push, where to pull the acks)."""
-    import threading
-
-    import zmq
-
-    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    a, b = pull.bind_to_random_port("tcp://127.0.0.1"), push.bind_to_random_port("tcp://127.0.0.1")
-
-    def loop() -> None:
-        while not stop.is_set():
-            if pull.poll(20):
-                parts = pull.recv_multipart(copy=False)
-                push.send(parts[0].bytes)
-        pull.close(0)
-        push.close(0)
-
-    threading.Thread(target=loop, daemon=True).start()
-    return f"tcp://127.0.0.1:{a}", f"tcp://127.0.0.1:{b}"
-
-
-class RawBaseline:
-    """The sending side of a raw baseline (to _raw_grpc_server or _raw_zmq_echo in the receiver's
-    process): the raw rows, and the transport rows' paired baseline, sent from their own loop
-    between their transfers, so that each repetition's transport transfers and its raw one run
-    back to back and this host's speed swings (2x, second to second) hit both, where rows
-    measured minutes apart compared the host's state as much as the transports."""
-
-    def __init__(self, transport: str, addrs: dict) -> None:
-        import zmq
-
-        self.transport = transport
-        if transport == "grpc":
-            import grpc
-
-            from transfer.grpc_transport import OPTIONS
-
-            self.channel = grpc.insecure_channel(addrs["raw"], options=OPTIONS)
-            self.call = self.channel.stream_unary(RAW_GRPC_METHOD)
-            self.lane_q: queue.SimpleQueue = queue.SimpleQueue()
-            self.lane = self.channel.stream_stream(RAW_GRPC_LANE_METHOD)(iter(self.lane_q.get, None))
-        else:
-            self.zctx = zmq.Context()
-            self.push, self.pull = self.zctx.socket(zmq.PUSH), self.zctx.socket(zmq.PULL)
-            self.push.connect(addrs["raw"][0])
-            self.pull.connect(addrs["raw"][1])
-
-    def send(self, whole: memoryview, step: int | None = None, nonblocking: bool = False,
-             lane: bool = False) -> float:
-        """Seconds for one transfer of `whole`, in the transport's own pieces: gRPC chunks, each
-        copied to bytes (gRPC takes only bytes), or one zero-copy ZeroMQ message per `step` bytes
-        (default: a frame, transfer.max_frame_bytes), each acknowledged. As one message, 256 MiB
-        moved at half the rate: ZeroMQ's receiver takes a message whole. `nonblocking`: the gRPC
-        call as `.future()`, waited for through its done-callback. `lane`: the bytes as one message
-        on the open bidirectional call, and its answer (gRPC only, at most one chunk)."""
-        import threading
-
-        from transfer.grpc_transport import CHUNK
-
-        t0 = time.perf_counter()
-        if self.transport == "grpc" and lane:
-            self.lane_q.put(bytes(whole))
-            next(self.lane)
-        elif self.transport == "grpc":
-            chunks = iter([bytes(whole[i:i + CHUNK]) for i in range(0, whole.nbytes, CHUNK)])
-            if nonblocking:
-                done = threading.Event()
-                fut = self.call.future(chunks, timeout=120)
-                fut.add_done_callback(lambda _: done.set())
-                done.wait()
-                fut.result()
-            else:
-                self.call(chunks, timeout=120)
-        else:
-            step = step or _frame_bytes()
-            for i in range(0, whole.nbytes, step):
-                self.push.send_multipart([b"raw", whole[i:i + step]], copy=False)
-            for _ in range(0, whole.nbytes, step):
-                self.pull.recv()
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        if self.transport == "grpc":
-            self.lane_q.put(None)  # ends grpc's thread that drains the lane's messages
-            self.channel.close()
-        else:
-            self.push.close(0)
-            self.pull.close(0)
-            self.zctx.term()
 
 
 def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
@@ -263,8 +90,8 @@ def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: i
         whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
         kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_lane"] if whole.nbytes <= CHUNK else [])]
         times: dict[str, list[float]] = {k: [] for k in kinds}
-        for r in range(_reps(size, reps) + 1):
-            for k in _turn(kinds, r):
+        for r in range(reps_for(size, reps) + 1):
+            for k in turn(kinds, r):
                 times[k].append(raw.send(whole, nonblocking=k == "raw_grpc_nonblocking", lane=k == "raw_grpc_lane"))
         for k in kinds:
             best = min(times[k][1:])
@@ -276,114 +103,6 @@ def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: i
     return rows
 
 
-def receiver_main(transport: str, addr_q, ctrl_q, result_q, pool_blocks: int, curve: bool = False,
-                  certs_dir: str | None = None) -> None:
-    import threading
-
-    import torch
-    import zmq
-
-    from decode_worker.kv_import import check_header, frame_offset
-    from engine import KVReservation
-    from transfer import make_receiver, verify
-
-    torch.set_num_threads(1)
-    if transport in ("raw", "raw_grpc"):  # the baseline endpoint alone
-        stop = threading.Event()
-        server = None
-        if transport == "raw_grpc":
-            server, raw = _raw_grpc_server()
-        else:
-            raw = _raw_zmq_echo(zmq.Context(), stop)
-        addr_q.put(({"raw": raw}, ""))
-        ctrl_q.get()
-        stop.set()
-        if server is not None:
-            server.stop(0)
-        return
-    kv = make_pool(pool_blocks, fill=False)
-    timings: dict[str, dict] = {}
-    reservations: dict[str, KVReservation] = {}
-
-    def reservation(h) -> KVReservation:
-        if h.request_id not in reservations:
-            n = h.num_blocks
-            reservations[h.request_id] = KVReservation(h.request_id, kv.layout, list(range(n)), 0, n,
-                                                       prompt_of(n)[1])
-        return reservations[h.request_id]
-
-    def land(h, index, buf) -> None:  # what LLMEngine.land_kv does, without an engine around it
-        res = reservation(h)
-        off = frame_offset(h, index)
-        kv.land(res.missing_block_ids[off:off + h.frames[index].num_blocks], buf)
-
-    class Sink:  # what the decode worker does: check the header, land frames as they arrive
-        def open(self, h) -> None:
-            timings[h.request_id] = {"check_and_land_s": 0.0}
-            check_header(h, reservation(h))
-
-        def frame(self, h, index, buf) -> None:
-            t0 = time.perf_counter()
-            land(h, index, buf)
-            timings[h.request_id]["check_and_land_s"] += time.perf_counter() - t0
-
-    tls = tls_credentials(certs_dir)
-    # Security off: a receiver without a key lookup (no tags checked); token: the decode worker's.
-    rxs = {mode: make_receiver(transport, host="127.0.0.1", sink=Sink(), curve=curve,
-                               keys=None if mode == "off" else (lambda h: transfer_key(h.request_id)),
-                               server_credentials=tls.get("server_credentials")) for mode in ("off", "token")}
-    stop = threading.Event()
-    addrs: dict = {mode: rx.address for mode, rx in rxs.items()}
-    raw_server = None
-    if transport == "grpc":
-        raw_server, addrs["raw"] = _raw_grpc_server()
-    elif transport == "zmq":
-        raw_ctx = zmq.Context()
-        addrs["raw"] = _raw_zmq_echo(raw_ctx, stop)
-    addr_q.put((addrs, getattr(rxs["token"], "public_key", "")))
-
-    def loop(rx) -> None:  # one thread per receiver, as in the decode worker
-        while not stop.is_set():
-            for item in rx.poll(0.02):
-                h = item.header
-                t0 = time.perf_counter()
-                try:
-                    if item.error:
-                        raise RuntimeError(item.error)
-                    if not item.landed:
-                        verify(h, item.frames)
-                        check_header(h, reservation(h))
-                        for i, buf in enumerate(item.frames):
-                            land(h, i, buf)
-                    item.ack(True)
-                except Exception as e:
-                    item.ack(False, str(e))
-                entry = timings.setdefault(h.request_id, {"check_and_land_s": 0.0})
-                entry["check_and_land_s"] += time.perf_counter() - t0
-                entry["streamed"] = item.landed
-
-    threads = [threading.Thread(target=loop, args=(rx,), daemon=True) for rx in rxs.values()]
-    for t in threads:
-        t.start()
-    ctrl_q.get()  # wait for "stop"
-    stop.set()
-    for t in threads:
-        t.join()
-    result_q.put(timings)
-    for rx in rxs.values():
-        rx.close()
-    if raw_server is not None:
-        raw_server.stop(0)
-
-
-def _turn(kinds, r: int) -> list:
-    """The order of the kinds in repetition r: rotated by one each time, so that every kind takes
-    every place equally often. Alternating forward and reversed order kept the middle kinds of
-    three or four (token mode among them) in the middle places in every repetition."""
-    k = r % len(kinds)
-    return [*kinds[k:], *kinds[:k]]
-
-
 def _cpu_s(child_pid: int) -> float:
     """CPU seconds (user + system, every thread) of this process and the receiver's: on two cores,
     a transfer whose ZeroMQ I/O threads already keep both cores busy pays for every byte touched."""
@@ -392,31 +111,25 @@ def _cpu_s(child_pid: int) -> float:
     return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in (os.getpid(), child_pid))
 
 
-def _reps(mib: int, reps: int) -> int:
-    """More repetitions for small transfers: a 1 MiB transfer takes about a millisecond, and the
-    best of a few is still mostly noise. Large ones get 16: with 8, the paired ratio at 256 MiB
-    (the median of 8 pairs) read 0.73 to 1.10 across three runs of the same code."""
-    return max(reps, 16 if mib >= 16 else 30)
+@dataclass
+class Receiver:
+    """The receiving process (transfer_endpoints.receiver_main) and its queues."""
+    proc: mp.process.BaseProcess
+    ctrl_q: object
+    result_q: object
+    addrs: dict
+    peer_key: str
+    certs_dir: str | None
+
+    def stop(self) -> dict | None:
+        """Stop it; the transfers' timings where it measured any."""
+        self.ctrl_q.put("stop")
+        timings = self.result_q.get(timeout=60) if "off" in self.addrs or "token" in self.addrs else None
+        self.proc.join(30)
+        return timings
 
 
-def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = "plain") -> list[dict]:
-    """variant: plain (security off and token, interleaved), curve (zmq), tls (grpc) or shm (zmq from
-    a pool in shared memory, which the receiver maps: frames by reference), token only."""
-    from engine import KVExport
-    from prefill_worker.kv_export import pack_export
-    from transfer import SenderLoop, TransferState, make_sender
-    from transfer.grpc_transport import CHUNK
-
-    max_blocks = max(sizes) * (1 << 20) // (4 * 8 * 2 * 16 * 4 * 64)
-    # The sender's pool in the memory a prefill worker's is in: a memfd for ZeroMQ (the default
-    # transfer.shared_memory puts it there, whether or not a receiver maps it), private memory
-    # advised into huge pages for gRPC (engine/kv_cache.py). Where the bytes lie moves raw
-    # ZeroMQ: one message of 1 MiB took 0.51 ms (median of 75) from the heap, 0.62 from a memfd
-    # and 1.02 from huge pages; 16 MiB 4.9, 6.7 and 6.8 ms. This bench sent from the heap, where
-    # no worker's KV lies, until the pool moved to huge pages: the ZeroMQ rows' paired_vs_raw
-    # went from ~50% to ~80% at 1 MiB with the transport's own times unchanged.
-    kv = make_pool(max_blocks, fill=True, shared=variant == "shm" or transport in ("zmq", "raw"))
-    block_nbytes = kv.layout.block_nbytes
+def _start_receiver(transport: str, variant: str, max_blocks: int) -> Receiver:
     ctx = mp.get_context("spawn")
     addr_q, ctrl_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     certs_dir = None
@@ -430,112 +143,157 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
                        args=(transport, addr_q, ctrl_q, result_q, max_blocks, variant == "curve", certs_dir))
     proc.start()
     addrs, peer_key = addr_q.get(timeout=60)
-    rows = []
-    if transport == "raw_grpc":
-        rows = _raw_grpc_rows(addrs, kv, block_nbytes, sizes, reps)
-        ctrl_q.put("stop")
-        proc.join(30)
+    return Receiver(proc, ctrl_q, result_q, addrs, peer_key, certs_dir)
+
+
+def _whole(kv, size_mib: int) -> tuple[int, memoryview]:
+    """The first size_mib MiB of the pool's blocks: their count and their bytes as one buffer."""
+    n = size_mib * (1 << 20) // kv.layout.block_nbytes
+    return n, memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
+
+
+def _raw_zmq_rows(rx: Receiver, kv, sizes: list[int], reps: int) -> list[dict]:
+    raw, rows = RawBaseline("zmq", rx.addrs), []
+    for size in sizes:
+        n, whole = _whole(kv, size)
+        cpu0 = _cpu_s(rx.proc.pid)
+        # The baseline is the better of one message and one message per 16 MiB frame (ours),
+        # each kind repeated as often as a transport's rows are (reps_for): with 2-3 of each, its
+        # best at 1 MiB ranged 1.0-2.5 GB/s from run to run on this host. The first of each
+        # kind warms the connection.
+        times = [raw.send(whole, whole.nbytes if r % 2 == 0 else 16 << 20)
+                 for r in range(2 * reps_for(size, reps) + 2)]
+        best = min(times[2:])
+        rows.append({"transport": "raw_zmq", "mib": size, "seconds": best,
+                     "gb_per_s": n * kv.layout.block_nbytes / best / 1e9,
+                     "cpu_ms_per_transfer": 1e3 * (_cpu_s(rx.proc.pid) - cpu0) / (2 * reps_for(size, reps) + 2)})
+    raw.close()
+    return rows
+
+
+@dataclass
+class Runs:
+    """A transport's timed transfers, by id (`transport-variant-mode-size-repetition`), and the raw
+    baselines' seconds by (size, repetition): "raw" always, "raw_lane" (a message on an open
+    call) for gRPC up to one chunk."""
+    export_s: dict[str, float] = field(default_factory=dict)
+    total_s: dict[str, float] = field(default_factory=dict)
+    cpu_ms: dict[int, float] = field(default_factory=dict)  # both processes' CPU per transfer, by size
+    base_s: dict[str, dict[tuple[int, int], float]] = field(default_factory=lambda: {"raw": {}, "raw_lane": {}})
+
+
+def _one_transfer(shipper, kv, rx: Receiver, rid: str, n: int, mode: str) -> tuple[float, float]:
+    """Pack and ship one KV of n blocks through the prefill worker's own path (its sender thread
+    sends and sleeps until the ack). Returns (packing seconds, total seconds)."""
+    from engine import KVExport
+    from prefill_worker.kv_export import pack_export
+    from transfer import TransferState
+
+    toks, hashes = prompt_of(n)
+    t0 = time.perf_counter()
+    frames, counts = kv.frames(list(range(n)), frame_bytes())
+    header, frames = pack_export(KVExport(rid, toks, kv.layout, 0, hashes, frames, counts, 0, 0.0), attempt=0)
+    t1 = time.perf_counter()
+    handle = shipper.send(rx.addrs[mode], header, frames, timeout_s=120, key=transfer_key(rid),
+                          peer_key=rx.peer_key).result()
+    if handle.state is not TransferState.DONE:
+        raise RuntimeError(f"{rid}: {handle.error}")
+    return t1 - t0, time.perf_counter() - t0
+
+
+def _run_transport(shipper, kv, rx: Receiver, transport: str, variant: str, modes: tuple[str, ...],
+                   sizes: list[int], reps: int) -> Runs:
+    """Every mode and the raw baselines interleaved, in turns (turn), so they see the same noise."""
+    from transfer.grpc_transport import CHUNK
+
+    runs, raw = Runs(), RawBaseline(transport, rx.addrs)
+    for size in sizes:
+        n, whole = _whole(kv, size)
+        lane = transport == "grpc" and whole.nbytes <= CHUNK
+        kinds = (*modes, "raw", *(("raw_lane",) if lane else ()))
+        cpu = 0.0
+        for r, mode in [(rep, m) for rep in range(reps_for(size, reps) + 1) for m in turn(kinds, rep)]:
+            if mode in runs.base_s:
+                runs.base_s[mode][(size, r)] = raw.send(whole, lane=mode == "raw_lane")
+                continue
+            cpu0 = _cpu_s(rx.proc.pid)
+            rid = f"{transport}-{variant}-{mode}-{size}-{r}"
+            runs.export_s[rid], runs.total_s[rid] = _one_transfer(shipper, kv, rx, rid, n, mode)
+            cpu += _cpu_s(rx.proc.pid) - cpu0
+        runs.cpu_ms[size] = 1e3 * cpu / ((reps_for(size, reps) + 1) * len(modes))
+    raw.close()
+    return runs
+
+
+def _transport_row(runs: Runs, recv: dict, block_nbytes: int, transport: str, variant: str, mode: str,
+                   size: int, reps: int) -> dict:
+    """One mode and size: its best transfer, with the medians of its pairs against the raw
+    baselines (and, for token mode, against security off) sent beside it."""
+    n = size * (1 << 20) // block_nbytes
+    rid_of = f"{transport}-{variant}-{{}}-{size}-{{}}".format
+    measured = range(1, reps_for(size, reps) + 1)
+    rid = min((rid_of(mode, r) for r in measured), key=lambda k: runs.total_s[k])
+    t, land = runs.total_s[rid], recv[rid]["check_and_land_s"]
+    streamed = recv[rid].get("streamed", False)
+    security = {"plain": mode, "curve": "token+curve", "tls": "token+mtls", "shm": "token+shm"}[variant]
+    row = {"transport": transport, "security": security, "mib": size, "seconds": t,
+           "gb_per_s": n * block_nbytes / t / 1e9, "streamed": streamed, "cpu_ms_per_transfer": runs.cpu_ms[size],
+           # Streamed (zmq): checksums and landing overlap the wire, so the parts overlap too.
+           "breakdown_s": {"pack": runs.export_s[rid], "check_and_land": land,
+                           "wire_and_ack": t - runs.export_s[rid] - (0.0 if streamed else land)}}
+    # Against the raw baselines sent beside it (RawBaseline): the median over repetitions of raw
+    # seconds / this mode's seconds, i.e. the throughput ratio.
+    for base, key in (("raw", "paired_vs_raw"), ("raw_lane", "paired_vs_raw_lane")):
+        if (size, 1) in runs.base_s[base]:
+            row[key] = statistics.median(runs.base_s[base][(size, r)] / runs.total_s[rid_of(mode, r)]
+                                         for r in measured)
+    if mode == "token" and rid_of("off", 1) in runs.total_s:
+        # Each repetition's two transfers ran back to back: the median of their ratios is what
+        # the machine's noise (shared, bursty) disturbs least.
+        pairs = sorted(runs.total_s[rid_of("off", r)] / runs.total_s[rid_of("token", r)] for r in measured)
+        row["paired_vs_off"] = pairs[len(pairs) // 2]
+    return row
+
+
+def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = "plain") -> list[dict]:
+    """variant: plain (security off and token, interleaved), curve (zmq), tls (grpc) or shm (zmq from
+    a pool in shared memory, which the receiver maps: frames by reference), token only."""
+    from transfer import SenderLoop, make_sender
+
+    max_blocks = max(sizes) * (1 << 20) // (4 * 8 * 2 * 16 * 4 * 64)
+    # The sender's pool in the memory a prefill worker's is in: a memfd for ZeroMQ (the default
+    # transfer.shared_memory puts it there, whether or not a receiver maps it), private memory
+    # advised into huge pages for gRPC (engine/kv_cache.py). Where the bytes lie moves raw
+    # ZeroMQ: one message of 1 MiB took 0.51 ms (median of 75) from the heap, 0.62 from a memfd
+    # and 1.02 from huge pages; 16 MiB 4.9, 6.7 and 6.8 ms. This bench sent from the heap, where
+    # no worker's KV lies, until the pool moved to huge pages: the ZeroMQ rows' paired_vs_raw
+    # went from ~50% to ~80% at 1 MiB with the transport's own times unchanged.
+    kv = make_pool(max_blocks, fill=True, shared=variant == "shm" or transport in ("zmq", "raw"))
+    rx = _start_receiver(transport, variant, max_blocks)
+    if transport in ("raw", "raw_grpc"):
+        rows = (_raw_grpc_rows(rx.addrs, kv, kv.layout.block_nbytes, sizes, reps) if transport == "raw_grpc"
+                else _raw_zmq_rows(rx, kv, sizes, reps))
+        rx.stop()
         return rows
-    if transport == "raw":
-        raw = RawBaseline("zmq", addrs)
-        for size in sizes:
-            n = size * (1 << 20) // block_nbytes
-            whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-            cpu0 = _cpu_s(proc.pid)
-            # The baseline is the better of one message and one message per 16 MiB frame (ours),
-            # each kind repeated as often as a transport's rows are (_reps): with 2-3 of each, its
-            # best at 1 MiB ranged 1.0-2.5 GB/s from run to run on this host. The first of each
-            # kind warms the connection.
-            times = [raw.send(whole, whole.nbytes if r % 2 == 0 else 16 << 20)
-                     for r in range(2 * _reps(size, reps) + 2)]
-            best = min(times[2:])
-            rows.append({"transport": "raw_zmq", "mib": size, "seconds": best,
-                         "gb_per_s": n * block_nbytes / best / 1e9,
-                         "cpu_ms_per_transfer": 1e3 * (_cpu_s(proc.pid) - cpu0) / (2 * _reps(size, reps) + 2)})
-        raw.close()
-        ctrl_q.put("stop")
-        proc.join(30)
-        return rows
-    tls = tls_credentials(certs_dir)
+    tls = tls_credentials(rx.certs_dir)
     sender = make_sender(transport, curve=variant == "curve", channel_credentials=tls.get("channel_credentials"),
                          channel_options=tls.get("channel_options"))
     if variant == "shm" and not sender.share(kv.shared_fd, kv.memory()):
         raise RuntimeError("this sender cannot share its pool")
     shipper = SenderLoop(sender)
     modes = ("off", "token") if variant == "plain" else ("token",)
-    export_times: dict[str, float] = {}
-    cpu_ms: dict[int, float] = {}  # both processes' CPU per transfer, all modes of a size together
-    totals: dict[str, float] = {}
-    raw = RawBaseline(transport, addrs)
-    # The raw baselines' seconds by (size, repetition): "raw" always, "raw_lane" (a message on an open
-    # call) for gRPC up to one chunk.
-    base_times: dict[str, dict[tuple[int, int], float]] = {"raw": {}, "raw_lane": {}}
-    for size in sizes:
-        n = size * (1 << 20) // block_nbytes
-        whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-        # Interleaved, in turns (_turn): every mode and the raw baselines see the same noise.
-        lane = transport == "grpc" and whole.nbytes <= CHUNK
-        kinds = (*modes, "raw", *(("raw_lane",) if lane else ()))
-        order = [(r, m) for r in range(_reps(size, reps) + 1) for m in _turn(kinds, r)]
-        cpu = 0.0
-        for r, mode in order:
-            if mode in base_times:
-                base_times[mode][(size, r)] = raw.send(whole, lane=mode == "raw_lane")
-                continue
-            cpu0 = _cpu_s(proc.pid)
-            rid = f"{transport}-{variant}-{mode}-{size}-{r}"
-            toks, hashes = prompt_of(n)
-            t0 = time.perf_counter()
-            frames, counts = kv.frames(list(range(n)), _frame_bytes())
-            exp = KVExport(rid, toks, kv.layout, 0, hashes, frames, counts, 0, 0.0)
-            header, frames = pack_export(exp, attempt=0)
-            t1 = time.perf_counter()
-            # Through the prefill worker's own path: its sender thread sends and sleeps until the ack.
-            handle = shipper.send(addrs[mode], header, frames, timeout_s=120, key=transfer_key(rid),
-                                  peer_key=peer_key).result()
-            if handle.state is not TransferState.DONE:
-                raise RuntimeError(f"{rid}: {handle.error}")
-            export_times[rid] = t1 - t0
-            totals[rid] = time.perf_counter() - t0
-            cpu += _cpu_s(proc.pid) - cpu0
-        cpu_ms[size] = 1e3 * cpu / ((_reps(size, reps) + 1) * len(modes))
-    raw.close()
-    ctrl_q.put("stop")
-    recv = result_q.get(timeout=60)
-    proc.join(30)
+    runs = _run_transport(shipper, kv, rx, transport, variant, modes, sizes, reps)
+    recv = rx.stop()
     shipper.close()
     sender.close()
     by_reference = getattr(sender, "bytes_by_reference", 0)
     if variant == "shm" and not by_reference:
         raise RuntimeError("shm rows: no frame went by reference")
-    for size, mode in ((s, m) for s in sizes for m in modes):
-        n = size * (1 << 20) // block_nbytes
-        rid = min((f"{transport}-{variant}-{mode}-{size}-{r}" for r in range(1, _reps(size, reps) + 1)),
-                  key=lambda k: totals[k])
-        t = totals[rid]
-        land = recv[rid]["check_and_land_s"]
-        streamed = recv[rid].get("streamed", False)
-        security = {"plain": mode, "curve": "token+curve", "tls": "token+mtls", "shm": "token+shm"}[variant]
-        rows.append({"transport": transport, "security": security, "mib": size, "seconds": t,
-                     "gb_per_s": n * block_nbytes / t / 1e9, "streamed": streamed, "cpu_ms_per_transfer": cpu_ms[size],
-                     **({"bytes_by_reference_all_sizes": by_reference} if variant == "shm" else {}),
-                     # Streamed (zmq): checksums and landing overlap the wire, so the parts overlap too.
-                     "breakdown_s": {"pack": export_times[rid], "check_and_land": land,
-                                     "wire_and_ack": t - export_times[rid] - (0.0 if streamed else land)}})
-        # This transport against the raw baselines sent beside it (RawBaseline): the median over
-        # repetitions of raw seconds / this mode's seconds, i.e. the throughput ratio.
-        for base, key in (("raw", "paired_vs_raw"), ("raw_lane", "paired_vs_raw_lane")):
-            if (size, 1) in base_times[base]:
-                rows[-1][key] = statistics.median(
-                    base_times[base][(size, r)] / totals[f"{transport}-{variant}-{mode}-{size}-{r}"]
-                    for r in range(1, _reps(size, reps) + 1))
-        if mode == "token" and "off" in modes:
-            # Each repetition's two transfers ran back to back: the median of their ratios is what
-            # the machine's noise (shared, bursty) disturbs least.
-            key = f"{transport}-{variant}-{{}}-{size}-{{}}"
-            pairs = sorted(totals[key.format("off", r)] / totals[key.format("token", r)]
-                           for r in range(1, _reps(size, reps) + 1))
-            rows[-1]["paired_vs_off"] = pairs[len(pairs) // 2]
+    rows = [_transport_row(runs, recv, kv.layout.block_nbytes, transport, variant, mode, size, reps)
+            for size in sizes for mode in modes]
+    if variant == "shm":
+        for row in rows:
+            row["bytes_by_reference_all_sizes"] = by_reference
     return rows
 
 
@@ -557,110 +315,6 @@ def security_summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def ttft_split(quick: bool) -> list[dict]:
-    """TTFT and the second token's wait after 128- and 2048-token prompts, 1P+1D as `pdserve up`
-    runs it on one host (router in the `up` process, each worker a process of its own), the KV
-    streamed and whole. The clusters are up together and take each prompt in turn (the order
-    alternating), so that they see the same state of this machine, whose speed moves about 2x
-    from one minute to the next. (In one process, as this ran before, the three clusters' six
-    engine and event-loop threads shared one GIL, which the served product never does.)"""
-    from contextlib import ExitStack
-
-    from model_factory import build_bench_model, random_prompt
-
-    from pdcommon.client import RouterClient, make_request
-
-    path = build_bench_model()
-    # Streamed: the prefill pool's default 512-token chunks, each one's KV shipped while the next
-    # is computed (transfer.stream_min_bytes); whole: one chunk, the KV with the first token,
-    # from the prefill pool's shared memory (transfer.shared_memory, the default) or over the socket.
-    kinds = {"streamed": {"transfer.stream_min_bytes": 1 << 20, "transfer.shared_memory": False},
-             "whole": {"transfer.stream_min_bytes": 0},
-             "whole_socket": {"transfer.stream_min_bytes": 0, "transfer.shared_memory": False}}
-    samples: dict[tuple[str, int], list[dict]] = {}
-    with ExitStack() as stack:
-        clients = {}
-        for kind, overrides in kinds.items():
-            address = stack.enter_context(_process_cluster({
-                "model": str(path), "engine.num_threads": 2,
-                "engine.max_num_batched_tokens": 4096, "engine.kv_cache_memory_bytes": 512 << 20,
-                "heartbeat.interval_s": 1.0, **overrides}))
-            clients[kind] = stack.enter_context(RouterClient(address))
-            # Warm-up: two transfers. The first between two workers carries the prefill pool's
-            # offer and goes over the socket; shared memory starts with the next. The prompts must
-            # be longer than router.local_prefill_max_tokens (256 unset), or the decode worker
-            # prefills them itself and nothing moves: with 64-token warm-ups, the first measured
-            # 2048-token prompt was the first transfer, its second token 5-8x the ITL behind the first.
-            for w in range(2):
-                clients[kind].generate(make_request(random_prompt(512, seed=1 + w), max_tokens=2))
-        for n in (128, 2048):
-            for r in range(3 if quick else 5):
-                for kind in _turn(list(kinds), r):
-                    time.sleep(0.5)  # the other cluster's decode and release are over
-                    request = make_request(random_prompt(n, seed=1000 * n + r), max_tokens=16, ignore_eos=True)
-                    samples.setdefault((kind, n), []).append(_second_token(clients[kind], request))
-    rows = []
-    for (kind, n), runs in samples.items():
-        best = min(runs, key=lambda s: s["ttft"])
-        rows.append({"kv": kind, "prompt_len": n, **best, "runs": runs,
-                     "second_gap_over_itl_median": statistics.median(s["second_token_gap"] / s["itl_p50"]
-                                                                     for s in runs)})
-    return rows
-
-
-@contextlib.contextmanager
-def _process_cluster(overrides: dict):
-    """`pdserve up --launcher process` with these config values, on free ports; bench/serve.py's
-    Server starts it, waits for it and stops its whole process group. Yields the router's address."""
-    import tempfile
-
-    import yaml
-    from serve import Server
-
-    from pdcommon.config import load_config
-    from pdserve.launch.ports import free_ports
-
-    names = ("port", "http_port", "control_port", "token_port")
-    ports = dict(zip(names, free_ports("127.0.0.1", len(names)), strict=True))
-    cfg = load_config(None, **{f"router.{k}": v for k, v in ports.items()}, **overrides)
-    with tempfile.TemporaryDirectory(prefix="pdbench-") as tmp:
-        path = Path(tmp) / "cluster.yaml"
-        path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-        with Server(f"{sys.executable} -m pdserve.cli up --launcher process --config {path}",
-                    f"http://127.0.0.1:{ports['http_port']}"):
-            yield f"127.0.0.1:{ports['port']}"
-
-
-def _second_token(client, request) -> dict:
-    arrivals, t, usage = _stream_times(client, request)
-    gaps = sorted(b - a for a, b in zip(arrivals[1:], arrivals[2:], strict=False))
-    itl = gaps[len(gaps) // 2]  # tokens 3.. : decode in its steady state
-    return {"queue": t["queue"], "prefill": t["prefill"],
-            "first_token": max(t["ttft"] - t["queue"] - t["prefill"], 0.0), "ttft": t["ttft"],
-            "kv_transfer": t["kv_transfer"], "kv_bytes": usage["kv_transfer_bytes"],
-            # Issue 10: the KV's trip must not hold up the second token by more than two
-            # inter-token latencies, as the client sees them.
-            "client_ttft": arrivals[0], "second_token_gap": arrivals[1] - arrivals[0],
-            "itl_p50": itl, "second_within_ttft_plus_2itl": arrivals[1] - arrivals[0] <= 2 * itl}
-
-
-def _stream_times(client, request) -> tuple[list[float], dict, dict]:
-    """Arrival time of every token (from the request's start, as the client sees it), with the
-    router's timings and usage from the last message."""
-    from pdcommon.client import fields
-
-    arrivals: list[float] = []
-    t0 = time.perf_counter()
-    timings: dict = {}
-    usage: dict = {}
-    for msg in client.stream(request, timeout=300):
-        now = time.perf_counter() - t0
-        arrivals += [now] * len(msg.token_ids)
-        if msg.finish_reason:
-            timings, usage = fields(msg.timings), fields(msg.usage)
-    return arrivals, timings, usage
-
-
 def reexec_as_a_worker(args) -> None:
     """Start over in the malloc environment pdserve's engine processes run in (process_env):
     glibc reads it only at process start, and the spawned receiver inherits it. Every row runs
@@ -673,6 +327,51 @@ def reexec_as_a_worker(args) -> None:
     if args.plain_malloc or not missing_from(os.environ, want):
         return
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": want["GLIBC_TUNABLES"]})
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """Each row against the raw baselines of this run: raw ZeroMQ, and for gRPC a raw gRPC stream
+    of the same bytes and (up to one chunk) a raw lane message."""
+    raw, raw_grpc, raw_lane = ({r["mib"]: r["gb_per_s"] for r in rows if r["transport"] == name}
+                               for name in ("raw_zmq", "raw_grpc", "raw_grpc_lane"))
+    for r in rows:
+        r["vs_raw_zmq"] = r["gb_per_s"] / raw[r["mib"]]
+        if r["transport"] in ("grpc", "raw_grpc_nonblocking", "raw_grpc_lane"):  # a raw gRPC stream, same bytes
+            r["vs_raw_grpc"] = r["gb_per_s"] / raw_grpc[r["mib"]]
+        if r["transport"] == "grpc" and r["mib"] in raw_lane:  # and what the transport does for one chunk
+            r["vs_raw_grpc_lane"] = r["gb_per_s"] / raw_lane[r["mib"]]
+
+
+def _print_throughput(rows: list[dict], security: list[dict]) -> None:
+    for r in rows:
+        print(f"{r['transport']:20s} {r.get('security', ''):11s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
+              f"({100 * r['vs_raw_zmq']:5.1f}% of raw zmq"
+              + (f", {100 * r['vs_raw_grpc']:5.1f}% of raw grpc)" if "vs_raw_grpc" in r else ")")
+              + (f"  paired with its raw baseline: {100 * r['paired_vs_raw']:5.1f}%" if "paired_vs_raw" in r else "")
+              + (f"  paired with blocking calls: {100 * r['paired_vs_raw_grpc']:5.1f}%"
+                 if "paired_vs_raw_grpc" in r else "")
+              + (f"  paired with a raw lane: {100 * r['paired_vs_raw_lane']:5.1f}%"
+                 if "paired_vs_raw_lane" in r else "")
+              + (f"  CPU {r['cpu_ms_per_transfer']:.1f} ms" if "cpu_ms_per_transfer" in r else "")
+              + (f"  pack {r['breakdown_s']['pack'] * 1e3:.1f} ms, wire+ack "
+                 f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "
+                 f"{r['breakdown_s']['check_and_land'] * 1e3:.1f} ms" if "breakdown_s" in r else ""))
+    for row in security:
+        print(f"security {row['transport']:4s} {row['mib']:4d} MiB: token/off {row['token_vs_off']:.3f} (median of "
+              f"pairs; best/best {row['best_token_vs_best_off']:.3f})"
+              + (f", {row['encrypted']}/token {row['encrypted_vs_token']:.3f}" if "encrypted" in row else ""))
+
+
+def _print_ttft(rows: list[dict]) -> None:
+    for r in rows:
+        print(f"[{r['kv']:8s}] TTFT {r['prompt_len']:5d} tokens: {r['ttft'] * 1e3:7.1f} ms = queue "
+              f"{r['queue'] * 1e3:.1f} + prefill "
+              f"{r['prefill'] * 1e3:.1f} + first token {r['first_token'] * 1e3:.1f} ms; KV transfer "
+              f"{r['kv_transfer'] * 1e3:.1f} ms for {r['kv_bytes'] / 2**20:.1f} MiB (after the first token, or "
+              f"its last part); second "
+              f"token {r['second_token_gap'] * 1e3:.1f} ms after the first, ITL p50 {r['itl_p50'] * 1e3:.1f} ms "
+              f"(within 2 ITL: {r['second_within_ttft_plus_2itl']}; gap / ITL, median of runs "
+              f"{r['second_gap_over_itl_median']:.2f})")
 
 
 def main() -> int:
@@ -695,42 +394,11 @@ def main() -> int:
                                      ("zmq", "shm", "shm")):
         if not only or not name or name in only:
             result["throughput"] += bench_transport(transport, SIZES_MIB, reps, variant)
-    raw = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_zmq"}
-    raw_grpc = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc"}
-    raw_lane = {r["mib"]: r["gb_per_s"] for r in result["throughput"] if r["transport"] == "raw_grpc_lane"}
+    _add_ratios(result["throughput"])
     result["security"] = security_summary(result["throughput"])
-    for r in result["throughput"]:
-        r["vs_raw_zmq"] = r["gb_per_s"] / raw[r["mib"]]
-        if r["transport"] in ("grpc", "raw_grpc_nonblocking", "raw_grpc_lane"):  # a raw gRPC stream, same bytes
-            r["vs_raw_grpc"] = r["gb_per_s"] / raw_grpc[r["mib"]]
-        if r["transport"] == "grpc" and r["mib"] in raw_lane:  # and what the transport does for one chunk
-            r["vs_raw_grpc_lane"] = r["gb_per_s"] / raw_lane[r["mib"]]
-        print(f"{r['transport']:20s} {r.get('security', ''):11s} {r['mib']:4d} MiB: {r['gb_per_s']:6.2f} GB/s  "
-              f"({100 * r['vs_raw_zmq']:5.1f}% of raw zmq"
-              + (f", {100 * r['vs_raw_grpc']:5.1f}% of raw grpc)" if "vs_raw_grpc" in r else ")")
-              + (f"  paired with its raw baseline: {100 * r['paired_vs_raw']:5.1f}%" if "paired_vs_raw" in r else "")
-              + (f"  paired with blocking calls: {100 * r['paired_vs_raw_grpc']:5.1f}%"
-                 if "paired_vs_raw_grpc" in r else "")
-              + (f"  paired with a raw lane: {100 * r['paired_vs_raw_lane']:5.1f}%"
-                 if "paired_vs_raw_lane" in r else "")
-              + (f"  CPU {r['cpu_ms_per_transfer']:.1f} ms" if "cpu_ms_per_transfer" in r else "")
-              + (f"  pack {r['breakdown_s']['pack'] * 1e3:.1f} ms, wire+ack "
-                 f"{r['breakdown_s']['wire_and_ack'] * 1e3:.1f} ms, check+land "
-                 f"{r['breakdown_s']['check_and_land'] * 1e3:.1f} ms" if "breakdown_s" in r else ""))
-    for row in result["security"]:
-        print(f"security {row['transport']:4s} {row['mib']:4d} MiB: token/off {row['token_vs_off']:.3f} (median of "
-              f"pairs; best/best {row['best_token_vs_best_off']:.3f})"
-              + (f", {row['encrypted']}/token {row['encrypted_vs_token']:.3f}" if "encrypted" in row else ""))
+    _print_throughput(result["throughput"], result["security"])
     result["ttft"] = ttft_split(args.quick) if not only or "ttft" in only else []
-    for r in result["ttft"]:
-        print(f"[{r['kv']:8s}] TTFT {r['prompt_len']:5d} tokens: {r['ttft'] * 1e3:7.1f} ms = queue "
-              f"{r['queue'] * 1e3:.1f} + prefill "
-              f"{r['prefill'] * 1e3:.1f} + first token {r['first_token'] * 1e3:.1f} ms; KV transfer "
-              f"{r['kv_transfer'] * 1e3:.1f} ms for {r['kv_bytes'] / 2**20:.1f} MiB (after the first token, or "
-              f"its last part); second "
-              f"token {r['second_token_gap'] * 1e3:.1f} ms after the first, ITL p50 {r['itl_p50'] * 1e3:.1f} ms "
-              f"(within 2 ITL: {r['second_within_ttft_plus_2itl']}; gap / ITL, median of runs "
-              f"{r['second_gap_over_itl_median']:.2f})")
+    _print_ttft(result["ttft"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     result["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # every row ran with these
     Path(args.out).write_text(json.dumps(result, indent=2))
