@@ -187,6 +187,66 @@ def bench_decode_hf(model, batches, prompt_len, new) -> dict[int, float]:
     return res
 
 
+def decode_rounds(eng, hf, batches: list[int], quick: bool) -> tuple[list[tuple[dict, dict]], list[dict]]:
+    """Ours, transformers' and ours sampled, in alternating order each round: (ours, hf) per round,
+    and the sampled rates per round."""
+    dec_rounds, sampled_rounds = [], []
+    for r in range(2 if quick else 3):
+        runs = {"ours": lambda: bench_decode_ours(eng, batches, 128, 128),
+                "hf": lambda: bench_decode_hf(hf, batches, 128, 128),
+                "sampled": lambda: bench_decode_ours(eng, [1, 32], 128, 128, SAMPLED)}
+        got = {k: runs[k]() for k in (("ours", "hf", "sampled") if r % 2 == 0 else ("sampled", "hf", "ours"))}
+        dec_rounds.append((got["ours"], got["hf"]))
+        sampled_rounds.append(got["sampled"])
+    return dec_rounds, sampled_rounds
+
+
+def decode_rows(spec, nums, ceil: dict, batches: list[int], dec_rounds, sampled_rounds) -> dict:
+    """Each batch's best rate against transformers, the bandwidth ceiling and this host's bound;
+    sampling against greedy; batch 32 over batch 1 against the bounds' own ratio."""
+    elem = 4
+    ours_dec = {b: max(o[b] for o, _ in dec_rounds) for b in batches}
+    hf_dec = {b: max(h[b] for _, h in dec_rounds) for b in batches}
+    weight_bytes = (nums["body_params"] + nums["lm_head_params"]) * elem
+    kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
+    avg_ctx = 128 + 64  # mean context over the 128 generated tokens
+    bounds = {b: decode_bounds(nums, elem, kv_per_token, avg_ctx, b, ceil) for b in batches}
+    out: dict = {"decode": []}
+    for b in batches:
+        achieved = (weight_bytes + b * avg_ctx * kv_per_token) * ours_dec[b] / b
+        out["decode"].append({"batch": b, "tokens_per_s": ours_dec[b], "hf_tokens_per_s": hf_dec[b],
+                              "vs_hf": statistics.median(o[b] / h[b] for o, h in dec_rounds),
+                              "bytes_per_s": achieved, "ceiling_fraction": achieved / ceil["mem_read_bytes_per_s"],
+                              "bound_tokens_per_s": bounds[b],
+                              "bound_fraction": {k: ours_dec[b] / v for k, v in bounds[b].items()}})
+    out["decode_sampled"] = [{"batch": b, "sampling": SAMPLED, "tokens_per_s": max(s[b] for s in sampled_rounds),
+                              "vs_greedy": statistics.median(s[b] / o[b] for s, (o, _) in
+                                                             zip(sampled_rounds, dec_rounds, strict=True))}
+                             for b in (1, 32)]
+    # Within each round (seconds apart), then the median over rounds.
+    out["decode_batch32_over_batch1"] = statistics.median(o[32] / o[1] for o, _ in dec_rounds)
+    # The most that batching can gain on this host (decode_bounds): the ratio of the two bounds.
+    out["decode_batch32_over_batch1_bound"] = {k: bounds[32][k] / bounds[1][k] for k in bounds[1]}
+    return out
+
+
+def print_result(result: dict, out: str) -> None:
+    for r in result["prefill"]:
+        print(f"prefill {r['prompt_len']:5d}: ours {r['tokens_per_s']:9.0f} tok/s  hf {r['hf_tokens_per_s']:9.0f}  "
+              f"x{r['vs_hf']:.2f}  {100 * r['ceiling_fraction']:.0f}% of GEMM ceiling")
+    for r in result["decode"]:
+        print(f"decode batch {r['batch']:2d}: ours {r['tokens_per_s']:8.1f} tok/s  hf {r['hf_tokens_per_s']:8.1f}  "
+              f"x{r['vs_hf']:.2f}  {100 * r['ceiling_fraction']:.0f}% of bandwidth ceiling, "
+              f"{100 * r['bound_fraction']['serial']:.0f}% of this host's bound")
+    for r in result["decode_sampled"]:
+        print(f"decode batch {r['batch']:2d} sampled {SAMPLED}: {r['tokens_per_s']:8.1f} tok/s, "
+              f"x{r['vs_greedy']:.2f} of greedy")
+    bound = result["decode_batch32_over_batch1_bound"]
+    print(f"decode batch 32 / batch 1: {result['decode_batch32_over_batch1']:.1f}x (this host's bound: "
+          f"{bound['serial']:.1f}x with attention after the GEMMs, {bound['overlapped']:.1f}x overlapped)"
+          f"   -> {out}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller decode batch set")
@@ -204,9 +264,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     path = build_bench_model()
-    repeat = 2 if args.quick else 4
-    lengths = [128, 512, 2048]
-    batches = [1, 8, 32]
+    lengths, batches = [128, 512, 2048], [1, 8, 32]
     ceil = measure_ceilings()
     print(f"ceilings: GEMM {ceil['gemm_flops'] / 1e9:.1f} GFLOP/s, read {ceil['mem_read_bytes_per_s'] / 1e9:.2f} GB/s")
 
@@ -218,69 +276,23 @@ def main() -> int:
     nums = model_numbers(spec)
     # The machine is shared and noisy: ours and transformers' runs alternate, and every ratio is
     # the median of back-to-back pairs (bench_prefill says why); the rates are each one's best.
-    pf = bench_prefill(eng, hf, lengths, 2 * repeat)
-    ours_pf = {n: n / min(pf[n]["ours_s"]) for n in lengths}
-    hf_pf = {n: n / min(pf[n]["hf_s"]) for n in lengths}
-    dec_rounds, sampled_rounds = [], []
-    for r in range(2 if args.quick else 3):
-        runs = {"ours": lambda: bench_decode_ours(eng, batches, 128, 128),
-                "hf": lambda: bench_decode_hf(hf, batches, 128, 128),
-                "sampled": lambda: bench_decode_ours(eng, [1, 32], 128, 128, SAMPLED)}
-        got = {k: runs[k]() for k in (("ours", "hf", "sampled") if r % 2 == 0 else ("sampled", "hf", "ours"))}
-        dec_rounds.append((got["ours"], got["hf"]))
-        sampled_rounds.append(got["sampled"])
-    ours_dec = {b: max(o[b] for o, _ in dec_rounds) for b in batches}
-    hf_dec = {b: max(h[b] for _, h in dec_rounds) for b in batches}
-
-    elem = 4
-    weight_bytes = (nums["body_params"] + nums["lm_head_params"]) * elem
-    kv_per_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * elem
+    pf = bench_prefill(eng, hf, lengths, 2 * (2 if args.quick else 4))
+    dec_rounds, sampled_rounds = decode_rounds(eng, hf, batches, args.quick)
     result = {"model": {"path": str(path), **nums, "dtype": "float32"}, "threads": args.threads,
               "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""), "ceilings": ceil,
-              "cpu_gemm": eng.gemm_layout, "gemm_routes": eng.gemm_routes,
-              "prefill": [], "decode": []}
+              "cpu_gemm": eng.gemm_layout, "gemm_routes": eng.gemm_routes, "prefill": []}
     for n in lengths:
-        achieved = prefill_flops(spec, nums, n) * ours_pf[n] / n
-        result["prefill"].append({"prompt_len": n, "tokens_per_s": ours_pf[n], "hf_tokens_per_s": hf_pf[n],
+        rate = n / min(pf[n]["ours_s"])
+        achieved = prefill_flops(spec, nums, n) * rate / n
+        result["prefill"].append({"prompt_len": n, "tokens_per_s": rate, "hf_tokens_per_s": n / min(pf[n]["hf_s"]),
                                   "vs_hf": pf[n]["vs_hf"], "flops_per_s": achieved,
                                   "ceiling_fraction": achieved / ceil["gemm_flops"]})
-    avg_ctx = 128 + 64  # mean context over the 128 generated tokens
-    bounds = {b: decode_bounds(nums, elem, kv_per_token, avg_ctx, b, ceil) for b in batches}
-    for b in batches:
-        bytes_step = weight_bytes + b * avg_ctx * kv_per_token
-        achieved = bytes_step * ours_dec[b] / b
-        result["decode"].append({"batch": b, "tokens_per_s": ours_dec[b], "hf_tokens_per_s": hf_dec[b],
-                                 "vs_hf": statistics.median(o[b] / h[b] for o, h in dec_rounds),
-                                 "bytes_per_s": achieved,
-                                 "ceiling_fraction": achieved / ceil["mem_read_bytes_per_s"],
-                                 "bound_tokens_per_s": bounds[b],
-                                 "bound_fraction": {k: ours_dec[b] / v for k, v in bounds[b].items()}})
-    result["decode_sampled"] = [{"batch": b, "sampling": SAMPLED, "tokens_per_s": max(s[b] for s in sampled_rounds),
-                                 "vs_greedy": statistics.median(s[b] / o[b] for s, (o, _) in
-                                                                zip(sampled_rounds, dec_rounds, strict=True))}
-                                for b in (1, 32)]
-    # Within each round (seconds apart), then the median over rounds.
-    result["decode_batch32_over_batch1"] = statistics.median(o[32] / o[1] for o, _ in dec_rounds)
-    # The most that batching can gain on this host (decode_bounds): the ratio of the two bounds.
-    result["decode_batch32_over_batch1_bound"] = {k: bounds[32][k] / bounds[1][k] for k in bounds[1]}
+    result.update(decode_rows(spec, nums, ceil, batches, dec_rounds, sampled_rounds))
     result["rounds"] = {"prefill": {n: {k: pf[n][k] for k in ("ours_s", "hf_s")} for n in lengths},
                         "decode": [{"ours": o, "hf": h} for o, h in dec_rounds]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
-    for r in result["prefill"]:
-        print(f"prefill {r['prompt_len']:5d}: ours {r['tokens_per_s']:9.0f} tok/s  hf {r['hf_tokens_per_s']:9.0f}  "
-              f"x{r['vs_hf']:.2f}  {100 * r['ceiling_fraction']:.0f}% of GEMM ceiling")
-    for r in result["decode"]:
-        print(f"decode batch {r['batch']:2d}: ours {r['tokens_per_s']:8.1f} tok/s  hf {r['hf_tokens_per_s']:8.1f}  "
-              f"x{r['vs_hf']:.2f}  {100 * r['ceiling_fraction']:.0f}% of bandwidth ceiling, "
-              f"{100 * r['bound_fraction']['serial']:.0f}% of this host's bound")
-    for r in result["decode_sampled"]:
-        print(f"decode batch {r['batch']:2d} sampled {SAMPLED}: {r['tokens_per_s']:8.1f} tok/s, "
-              f"x{r['vs_greedy']:.2f} of greedy")
-    bound = result["decode_batch32_over_batch1_bound"]
-    print(f"decode batch 32 / batch 1: {result['decode_batch32_over_batch1']:.1f}x (this host's bound: "
-          f"{bound['serial']:.1f}x with attention after the GEMMs, {bound['overlapped']:.1f}x overlapped)"
-          f"   -> {args.out}")
+    print_result(result, args.out)
     return 0
 
 
