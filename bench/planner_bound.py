@@ -79,22 +79,15 @@ def met_at(curve: dict[int, int], size: int) -> int:
     return curve[max(k for k in curve if k <= size)]
 
 
-def optimum(curves: list[dict[int, int]], starts_s: list[float], spans_h: list[float], fixed_size: int,
-            total: int, target: float, hold_s: float | None = None) -> dict | None:
-    """The schedule of fewest worker-hours whose blocks meet `target` of `total` requests, exactly
-    (over the sizes tried): a dynamic program over the blocks whose state is the requests met so
-    far, the last size and, with `hold_s`, the start of a shrink while it still binds: no pool
-    grows within `hold_s` of the start of a block where it shrank (the issue counts a scale-down
-    reversed within 10 minutes as an oscillation). The Lagrange sweep (`cheapest`) finds a
-    schedule, not the best one: with few blocks it overshoots the target (10-minute blocks on
-    the Azure code trace: 91.5% for 90.2%)."""
+def _dp_blocks(curves: list[dict[int, int]], starts_s: list[float], spans_h: list[float], fixed_size: int,
+               total: int, hold_s: float | None):
+    """optimum's forward pass. Returns the last block's states, (size, start of the binding shrink
+    or None) -> hours by requests met, and per block the states before it and how each entry after
+    it was reached: per state and requests met, (index of the state before, size)."""
     import numpy as np
 
     sizes = sorted({k for c in curves for k in c})
     inf = float("inf")
-    # state (size, start of the binding shrink or None) -> hours by requests met, and how each
-    # entry was reached: per block, the states before it and, per state after it and requests
-    # met, (index of the state before, size)
     states: dict[tuple[int | None, float | None], np.ndarray] = {(None, None): np.full(total + 1, inf)}
     states[(None, None)][0] = 0.0
     back: list[tuple[list[tuple], dict[tuple, tuple[np.ndarray, np.ndarray]]]] = []
@@ -120,8 +113,23 @@ def optimum(curves: list[dict[int, int]], starts_s: list[float], spans_h: list[f
                 how[key][0][better], how[key][1][better] = si, n
         back.append((list(states), how))
         states = nxt
+    return states, back
+
+
+def optimum(curves: list[dict[int, int]], starts_s: list[float], spans_h: list[float], fixed_size: int,
+            total: int, target: float, hold_s: float | None = None) -> dict | None:
+    """The schedule of fewest worker-hours whose blocks meet `target` of `total` requests, exactly
+    (over the sizes tried): a dynamic program over the blocks whose state is the requests met so
+    far, the last size and, with `hold_s`, the start of a shrink while it still binds: no pool
+    grows within `hold_s` of the start of a block where it shrank (the issue counts a scale-down
+    reversed within 10 minutes as an oscillation). The Lagrange sweep (`cheapest`) finds a
+    schedule, not the best one: with few blocks it overshoots the target (10-minute blocks on
+    the Azure code trace: 91.5% for 90.2%)."""
+    import numpy as np
+
+    states, back = _dp_blocks(curves, starts_s, spans_h, fixed_size, total, hold_s)
     need = math.ceil(target * total)
-    best_key, best_met, best_h = None, 0, inf
+    best_key, best_met, best_h = None, 0, float("inf")
     for key, hours in states.items():
         met = need + int(np.argmin(hours[need:]))
         if hours[met] < best_h:
@@ -141,6 +149,35 @@ def optimum(curves: list[dict[int, int]], starts_s: list[float], spans_h: list[f
     if again != best_met or abs(hours_again - best_h) > 1e-6 * max(best_h, 1.0):
         raise AssertionError(f"schedule walk-back: {again} met / {hours_again} h, expected {best_met} / {best_h}")
     return {"attainment": best_met / total, "worker_hours": best_h, "sizes": path}
+
+
+def split_blocks(reqs: list, block_s: float) -> tuple[list[list], list[float], list[float]]:
+    """The trace in blocks of block_s seconds from its first arrival, those with arrivals only:
+    their requests, start (seconds after the first arrival) and span in hours (the last block
+    ends at the last arrival)."""
+    t_first, t_last = reqs[0].arrival_s, reqs[-1].arrival_s
+    n_blocks = int((t_last - t_first) // block_s) + 1
+    blocks: list[list] = [[] for _ in range(n_blocks)]
+    for r in reqs:
+        blocks[int((r.arrival_s - t_first) // block_s)].append(r)
+    kept = [i for i, b in enumerate(blocks) if b]
+    return ([blocks[i] for i in kept], [i * block_s for i in kept],
+            [min(block_s, t_last - t_first - i * block_s) / 3600 for i in kept])
+
+
+def report(out: dict, static: dict) -> None:
+    split = static["split"]
+    print(f"best static {split}: {static['attainment']:.1%}, {out['best_static_block_hours']:.1f} worker-h "
+          "over the blocks")
+    block_s, vary, hold_s = out["block_s"], out["vary"], out["hold_s"]
+    for key, saved, what in (("bound", "most_saved", f"hindsight bound ({block_s:.0f} s blocks, {vary} varied)"),
+                             ("exact", "most_saved_exact", "exact optimum"),
+                             ("bound_steady", "most_saved_steady",
+                              f"exact, without growing back within {hold_s:.0f} s of a shrink")):
+        if out[key]:
+            b = out[key]
+            print(f"{what}: {b['attainment']:.1%} in {b['worker_hours']:.1f} worker-h, {out[saved]:.1%} fewer; "
+                  f"sizes {b['sizes']}")
 
 
 def main() -> int:
@@ -168,21 +205,13 @@ def main() -> int:
                          cache={})
     split = static["split"]
     other = "decode" if args.vary == "prefill" else "prefill"
-    t_first, t_last = reqs[0].arrival_s, reqs[-1].arrival_s
-    n_blocks = int((t_last - t_first) // args.block_s) + 1
-    blocks: list[list] = [[] for _ in range(n_blocks)]
-    for r in reqs:
-        blocks[int((r.arrival_s - t_first) // args.block_s)].append(r)
-    spans_h = [min(args.block_s, t_last - t_first - i * args.block_s) / 3600 for i in range(n_blocks)]
-    kept = [i for i, b in enumerate(blocks) if b]
-    curves = block_curves([blocks[i] for i in kept], settings, args.vary, {other: split[other]},
-                          3 * split[args.vary])
-    bound = cheapest(curves, [spans_h[i] for i in kept], split[other], len(reqs), static["attainment"])
-    starts, spans = [i * args.block_s for i in kept], [spans_h[i] for i in kept]
+    blocks, starts, spans = split_blocks(reqs, args.block_s)
+    curves = block_curves(blocks, settings, args.vary, {other: split[other]}, 3 * split[args.vary])
+    bound = cheapest(curves, spans, split[other], len(reqs), static["attainment"])
     exact = optimum(curves, starts, spans, split[other], len(reqs), static["attainment"])
     steady = optimum(curves, starts, spans, split[other], len(reqs), static["attainment"], args.hold_s)
     # The static split on the same accounting (blocks' spans, no drain after the last arrival).
-    static_h = (split["prefill"] + split["decode"]) * sum(spans_h[i] for i in kept)
+    static_h = (split["prefill"] + split["decode"]) * sum(spans)
     out = {"trace": args.trace, "workers": args.workers, "block_s": args.block_s, "vary": args.vary,
            "requests": len(reqs), "best_static": {k: static[k] for k in ("split", "attainment", "worker_hours")},
            "best_static_block_hours": static_h, "bound": bound,
@@ -194,16 +223,7 @@ def main() -> int:
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"best static {split}: {static['attainment']:.1%}, {static_h:.1f} worker-h over the blocks")
-    if bound:
-        print(f"hindsight bound ({args.block_s:.0f} s blocks, {args.vary} varied): {bound['attainment']:.1%} in "
-              f"{bound['worker_hours']:.1f} worker-h, {out['most_saved']:.1%} fewer; sizes {bound['sizes']}")
-    if exact:
-        print(f"exact optimum: {exact['attainment']:.1%} in {exact['worker_hours']:.1f} worker-h, "
-              f"{out['most_saved_exact']:.1%} fewer; sizes {exact['sizes']}")
-    if steady:
-        print(f"exact, without growing back within {args.hold_s:.0f} s of a shrink: {steady['attainment']:.1%} in "
-              f"{steady['worker_hours']:.1f} worker-h, {out['most_saved_steady']:.1%} fewer; sizes {steady['sizes']}")
+    report(out, static)
     print(f"wrote {path} ({out['wall_s']:.0f} s)")
     return 0
 
