@@ -196,6 +196,61 @@ def _ratio(pred: dict, meas: dict) -> dict:
     return {k: (pred[k] / v if v else None) for k, v in meas.items()}
 
 
+def _measure(name: str, router: str, prof, slo_ms: tuple[float, float], seconds: float, repeats: int) -> dict:
+    """Against a running cluster of the shape: the calibration runs and probes, the saturation
+    rate, the loaded-prefill runs and the compared runs of every load."""
+    mode = SHAPES[name]["mode"]
+    bench(router, 0.0, 8, slo_ms, 99)  # warm-up
+    # The calibration runs: eight streams at once, each with its own prompts and probe.
+    calib, probes = [], []
+    for k in range(CALIBRATION_RUNS):
+        probes.append(probe(router, prof, mode, slo_ms, 80 + k))
+        calib.append(bench(router, 0.0, 16, slo_ms, 90 + k, concurrency=BATCH))
+    sat = bench(router, 0.0, 32, slo_ms, 98)["summary"]["request_throughput"]
+    frac, k_runs = PREFILL_CALIBRATION
+    loaded = []
+    for k in range(k_runs if name in LOADED_PREFILL_SHAPES else 0):
+        rate = frac * sat
+        report = bench(router, rate, max(30, round(rate * seconds)), slo_ms, 70 + k)
+        loaded.append({"rate": rate, "starts": [r["start"] for r in report["requests"]],
+                       "ttft_mean_s": statistics.fmean(r["ttft"] for r in report["requests"] if r["ok"])})
+    runs: dict[float, list[dict]] = {frac: [] for frac in LOADS}
+    # Repeats go round the loads (30, 60, 80, 30, ...): the host's speed drifts by the minute,
+    # and each load should see its share of the slow and the fast stretches.
+    for rep in range(repeats):
+        for frac in LOADS:
+            rate = frac * sat
+            n = max(30, round(rate * seconds))
+            probes.append(probe(router, prof, mode, slo_ms, 1000 + 100 * rep + round(frac * 10)))
+            # A fresh seed per run: the same prompts again would hit the prefix cache.
+            seed = 10 + round(frac * 10) + 100 * rep
+            report = bench(router, rate, n, slo_ms, seed)
+            runs[frac].append({"seed": seed, "rate": rate, "requests": n, "probe": probes[-1],
+                               "starts": [r["start"] for r in report["requests"]],
+                               "measured": measured(report, rate)})
+            print(name, frac, rep, runs[frac][-1]["measured"], flush=True)
+    return {"calib": calib, "probes": probes, "sat": sat, "loaded": loaded, "runs": runs}
+
+
+def _row(prof, mode: str, frac: float, got: list[dict], slo_ms, scale, probe_scale, per_seq: float) -> dict:
+    """One load: each run predicted (calibrated, by the probes alone, uncalibrated), and the
+    medians over its runs, predicted / measured."""
+    for r in got:
+        r["predicted"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms, scale, per_seq)[0]
+        r["predicted_probes_only"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms, probe_scale, per_seq)[0]
+        r["predicted_uncalibrated"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms)[0]
+    row = {"load": frac, "rate": got[0]["rate"], "requests": got[0]["requests"],
+           **{k: _median([r[k] for r in got])
+              for k in ("measured", "predicted", "predicted_probes_only", "predicted_uncalibrated")},
+           "runs": got}
+    row["ratio"] = _ratio(row["predicted"], row["measured"])
+    row["ratio_uncalibrated"] = _ratio(row["predicted_uncalibrated"], row["measured"])
+    row["ratio_probes_only"] = _ratio(row["predicted_probes_only"], row["measured"])
+    row["within_20pct"] = all(r is not None and 0.8 <= r <= 1.2 for k, r in row["ratio"].items()
+                              if k != "attainment")
+    return row
+
+
 def run_shape(name: str, seconds: float, repeats: int, tmp: Path) -> dict:
     from serve import Server
 
@@ -207,39 +262,10 @@ def run_shape(name: str, seconds: float, repeats: int, tmp: Path) -> dict:
     prof = StepCostModel.load(prof_path)
     slo_ms = (3e3 * prof.prefill_seconds(PROMPT), 2e3 * prof.itl_seconds(1, PROMPT + OUTPUT // 2))
     port, http, _ = SHAPES[name]["ports"]
-    router = f"127.0.0.1:{port}"
     mode = SHAPES[name]["mode"]
-    runs: dict[float, list[dict]] = {frac: [] for frac in LOADS}
     with Server(f"{sys.executable} -m pdserve.cli up --config {cfg}", f"http://127.0.0.1:{http}"):
-        bench(router, 0.0, 8, slo_ms, 99)  # warm-up
-        # The calibration runs: eight streams at once, each with its own prompts and probe.
-        calib, probes = [], []
-        for k in range(CALIBRATION_RUNS):
-            probes.append(probe(router, prof, mode, slo_ms, 80 + k))
-            calib.append(bench(router, 0.0, 16, slo_ms, 90 + k, concurrency=BATCH))
-        sat = bench(router, 0.0, 32, slo_ms, 98)["summary"]["request_throughput"]
-        frac, k_runs = PREFILL_CALIBRATION
-        loaded = []
-        for k in range(k_runs if name in LOADED_PREFILL_SHAPES else 0):
-            rate = frac * sat
-            report = bench(router, rate, max(30, round(rate * seconds)), slo_ms, 70 + k)
-            loaded.append({"rate": rate, "starts": [r["start"] for r in report["requests"]],
-                           "ttft_mean_s": statistics.fmean(r["ttft"] for r in report["requests"] if r["ok"])})
-        # Repeats go round the loads (30, 60, 80, 30, ...): the host's speed drifts by the minute,
-        # and each load should see its share of the slow and the fast stretches.
-        for rep in range(repeats):
-            for frac in LOADS:
-                rate = frac * sat
-                n = max(30, round(rate * seconds))
-                probes.append(probe(router, prof, mode, slo_ms, 1000 + 100 * rep + round(frac * 10)))
-                # A fresh seed per run: the same prompts again would hit the prefix cache.
-                seed = 10 + round(frac * 10) + 100 * rep
-                report = bench(router, rate, n, slo_ms, seed)
-                runs[frac].append({"seed": seed, "rate": rate, "requests": n,
-                                   "probe": probes[-1],
-                                   "starts": [r["start"] for r in report["requests"]],
-                                   "measured": measured(report, rate)})
-                print(name, frac, rep, runs[frac][-1]["measured"], flush=True)
+        got = _measure(name, f"127.0.0.1:{port}", prof, slo_ms, seconds, repeats)
+    calib, probes, loaded = got["calib"], got["probes"], got["loaded"]
     scale = (statistics.median(p for p, _ in probes), statistics.median(d for _, d in probes))
     fits = [fit_overhead(prof, mode, [r["start"] for r in c["requests"]],
                          c["summary"]["tpot_ms"]["p50"] / 1e3, slo_ms, scale) for c in calib]
@@ -249,23 +275,8 @@ def run_shape(name: str, seconds: float, repeats: int, tmp: Path) -> dict:
     probe_scale = scale
     if loaded_fits:
         scale = (scale[0] * statistics.median(loaded_fits), scale[1])
-    rows = []
-    for frac, got in runs.items():
-        for r in got:
-            r["predicted"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms, scale, per_seq)[0]
-            r["predicted_probes_only"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms, probe_scale, per_seq)[0]
-            r["predicted_uncalibrated"] = simulate(prof, mode, r["starts"], r["rate"], slo_ms)[0]
-        row = {"load": frac, "rate": got[0]["rate"], "requests": got[0]["requests"],
-               **{k: _median([r[k] for r in got])
-                  for k in ("measured", "predicted", "predicted_probes_only", "predicted_uncalibrated")},
-               "runs": got}
-        row["ratio"] = _ratio(row["predicted"], row["measured"])
-        row["ratio_uncalibrated"] = _ratio(row["predicted_uncalibrated"], row["measured"])
-        row["ratio_probes_only"] = _ratio(row["predicted_probes_only"], row["measured"])
-        row["within_20pct"] = all(r is not None and 0.8 <= r <= 1.2 for k, r in row["ratio"].items()
-                                  if k != "attainment")
-        rows.append(row)
-    return {"saturation_rate": sat, "slo_ms": slo_ms, "profile": str(prof_path), "repeats": repeats,
+    rows = [_row(prof, mode, frac, runs, slo_ms, scale, probe_scale, per_seq) for frac, runs in got["runs"].items()]
+    return {"saturation_rate": got["sat"], "slo_ms": slo_ms, "profile": str(prof_path), "repeats": repeats,
             "step_scale": scale, "probe_scale": probe_scale, "loaded_prefill_fits": loaded_fits,
             "loaded_prefill_runs": loaded, "probes": probes, "seq_overhead_s": per_seq, "seq_overhead_fits_s": fits,
             "calibration": [{"tpot_ms_p50": c["summary"]["tpot_ms"]["p50"],
