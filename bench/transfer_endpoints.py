@@ -218,16 +218,15 @@ class Landing:
     the seconds that took per request."""
 
     def __init__(self, kv) -> None:
-        from engine import KVReservation
-
         self.kv, self.reservations, self.timings = kv, {}, {}
-        self._reservation_type = KVReservation
 
     def reservation(self, h):
+        from engine import KVReservation
+
         if h.request_id not in self.reservations:
             n = h.num_blocks
-            self.reservations[h.request_id] = self._reservation_type(h.request_id, self.kv.layout, list(range(n)),
-                                                                     0, n, prompt_of(n)[1])
+            self.reservations[h.request_id] = KVReservation(h.request_id, self.kv.layout, list(range(n)), 0, n,
+                                                            prompt_of(n)[1])
         return self.reservations[h.request_id]
 
     def land(self, h, index, buf) -> None:  # what LLMEngine.land_kv does
