@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pdcommon.client import RouterClient
+from pdcommon.config import load_config
 from pdserve.launch.ports import free_port, free_ports
 from tests.conftest import hf_greedy
 
@@ -335,3 +336,10 @@ def test_up_joins_an_existing_ray_cluster():
             head.wait(60)
             psutil.wait_procs(kids, timeout=30)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_the_shipped_cluster_configs_load(name):
+    """Every cluster YAML in configs/ passes the schema as shipped (configs/ray/ holds Ray's own)."""
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.roles and all(cfg.pool(role).replicas >= 1 for role in cfg.roles)
