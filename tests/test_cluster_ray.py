@@ -84,6 +84,25 @@ def test_the_cluster_actors_live_in_the_pdserve_namespace(cluster):
     assert set(mine.values()) == {RAY_NAMESPACE}
 
 
+def test_the_embedded_ray_listens_on_loopback_only(cluster):
+    """configs/local.yaml says `ray.node_ip_address: 127.0.0.1`: the Ray this process started (its
+    GCS, raylet and every worker under them) listens there and nowhere else. ray.init alone
+    swaps loopback for the host's reachable address, and its daemons listened on all interfaces."""
+    import ipaddress
+
+    import psutil
+    import ray
+
+    assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = {(c.pid, c.laddr.ip) for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.pid in mine}
+    assert listening, "no listening socket found under this process"
+    exposed = {(pid, ip) for pid, ip in listening
+               if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback}
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
 def test_engines_run_at_normal_priority(cluster, story):
     """Ray starts worker processes at nice 15; pdserve's workers come back to process.nice (0),
     so the thread that ran the engine's steps is not behind every other process on the host."""

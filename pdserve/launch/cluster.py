@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import uuid
@@ -39,6 +40,39 @@ def pin_ports(cfg: ClusterConfig) -> None:
     given = frozenset(port for port in (r.port, r.http_port, r.control_port, r.token_port) if port)
     for attr, port in zip(unset, free_ports(r.host, len(unset), exclude=given), strict=True):
         setattr(r, attr, port)
+
+
+def _is_loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@contextlib.contextmanager
+def _ray_on_loopback(loopback: bool) -> Iterator[None]:
+    """While an embedded Ray starts: told `ray.node_ip_address: 127.0.0.1`, it stays there.
+    ray.init swaps a loopback node address for the host's reachable one (Ray 2.60,
+    `resolve_ip_for_localhost`), and its GCS, raylet and workers listened on all interfaces
+    (`*` and 192.0.2.2 here, behind Ray's token alone). Ray keeps a node on loopback where it runs
+    no clusters (its Windows and macOS default): RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when
+    Ray is imported and by the daemons ray.init starts. Both go back as they were afterwards, so
+    that nothing this process starts later (a `pdserve up` joining a cluster of several hosts)
+    inherits them; the node keeps the address it started with."""
+    if not loopback or "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" in os.environ:
+        yield
+        return
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        import ray._private.ray_constants as constants
+
+        before, constants.ENABLE_RAY_CLUSTER = not constants.IS_WINDOWS_OR_OSX, False
+        try:
+            yield
+        finally:
+            constants.ENABLE_RAY_CLUSTER = before
+    finally:
+        del os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
 
 
 @contextlib.contextmanager
@@ -88,7 +122,7 @@ class RayCluster:
             if address is None:
                 # Ray starts workers at nice 15 by default; ours return to process.nice themselves,
                 # which needs privilege, so the embedded instance starts them at 0 to begin with.
-                with _quiet_default_token_auth():
+                with _quiet_default_token_auth(), _ray_on_loopback(_is_loopback(r.node_ip_address)):
                     ray.init(address="local", _node_ip_address=r.node_ip_address, include_dashboard=False,
                              num_cpus=r.num_cpus or os.cpu_count(), log_to_driver=False, configure_logging=False,
                              namespace=RAY_NAMESPACE, _system_config={"worker_niceness": 0})
