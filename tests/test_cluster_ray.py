@@ -71,9 +71,9 @@ def test_shared_prefix_hits_cache_and_ships_fewer_bytes(cluster, story):
 
 
 def test_the_cluster_actors_live_in_the_pdserve_namespace(cluster):
-    """Named in one known namespace, not the anonymous one of a bare ray.init: another job (the
-    router restarted, `pdserve down`) finds them by name there, and Ray does not warn about a
-    detached actor in an anonymous namespace for every worker started."""
+    """Named in one known namespace, not the anonymous one of a bare ray.init: another driver (an
+    operator's `ray.init(namespace="pdserve")`) finds them by name there, and Ray does not warn
+    about a detached actor in an anonymous namespace for every worker started."""
     import ray
 
     from pdserve.launch.cluster import RAY_NAMESPACE
