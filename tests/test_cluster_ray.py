@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +102,16 @@ def test_the_embedded_ray_listens_on_loopback_only(cluster):
     exposed = {(pid, ip) for pid, ip in listening
                if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback}
     assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_ray_s_token_file_is_readable_by_its_owner_only(cluster):
+    """Ray writes ~/.ray/auth_token world-readable; whoever read it could run code in this Ray."""
+    import stat
+
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if not path.exists():
+        pytest.skip("Ray runs without a token file here (RAY_AUTH_TOKEN, or authentication off)")
+    assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, oct(path.stat().st_mode)
 
 
 def test_engines_run_at_normal_priority(cluster, story):

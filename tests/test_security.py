@@ -213,3 +213,17 @@ def test_mtls_cluster_generates_streams_and_cancels(stories_path, tmp_path, tran
         next(stream)
         stream.cancel()  # the client goes away mid-stream: everything it held is freed
         cl.wait_idle()
+
+
+def test_a_world_readable_ray_token_file_is_made_private(tmp_path, monkeypatch):
+    """What a cluster's start does to the token file Ray made (RAY_AUTH_TOKEN_PATH here)."""
+    import stat
+
+    from pdserve.launch.cluster import _keep_ray_token_private
+
+    token = tmp_path / "auth_token"
+    token.write_text("t")
+    token.chmod(0o644)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    _keep_ray_token_private()
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600

@@ -75,6 +75,21 @@ def _ray_on_loopback(loopback: bool) -> Iterator[None]:
         del os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
 
 
+def _keep_ray_token_private() -> None:
+    """Ray writes its token file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) with the process's
+    umask: 0644 here, so any user of the host could read it and run code in this Ray as its owner
+    (the embedded one listens on loopback, where every local user can reach it). Only its owner
+    reads it (the driver and Ray's daemons run as that user): 0600, as pdserve's own secrets."""
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        st = path.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            path.chmod(0o600)
+            log.info("Ray's token file %s was readable by others; now 0600", path)
+    except OSError:  # none (token from RAY_AUTH_TOKEN, or auth off), or not ours to change
+        pass
+
+
 @contextlib.contextmanager
 def _quiet_default_token_auth() -> Iterator[None]:
     """An embedded Ray instance turns token authentication on by default and logs a warning saying
@@ -130,6 +145,7 @@ class RayCluster:
                 ip = {"_node_ip_address": r.node_ip_address} if r.node_ip_address else {}
                 ray.init(address=address, log_to_driver=False, namespace=RAY_NAMESPACE, **ip)
             self._own_ray = True
+            _keep_ray_token_private()
         self._pin_ports()
         r = self.cfg.router
         self._secret = provision_token(self.cfg.security, token_path(f"{r.advertise_host or r.host}:{r.port}"))
