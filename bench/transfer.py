@@ -79,30 +79,6 @@ SIZES_MIB = [1, 16, 256]
 ONLY_ROWS = {"zmq", "grpc", "curve", "tls", "shm", "ttft"}  # what --only may name
 
 
-def _raw_grpc_rows(addrs: dict, kv, block_nbytes: int, sizes: list[int], reps: int) -> list[dict]:
-    """Blocking calls (the baseline), non-blocking ones and, up to one chunk, messages on an open
-    bidirectional call, in turns; the first of each warms up."""
-    from transfer.grpc_transport import CHUNK
-
-    raw, rows = RawBaseline("grpc", addrs), []
-    for size in sizes:
-        n = size * (1 << 20) // block_nbytes
-        whole = memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
-        kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_lane"] if whole.nbytes <= CHUNK else [])]
-        times: dict[str, list[float]] = {k: [] for k in kinds}
-        for r in range(reps_for(size, reps) + 1):
-            for k in turn(kinds, r):
-                times[k].append(raw.send(whole, nonblocking=k == "raw_grpc_nonblocking", lane=k == "raw_grpc_lane"))
-        for k in kinds:
-            best = min(times[k][1:])
-            rows.append({"transport": k, "mib": size, "seconds": best, "gb_per_s": n * block_nbytes / best / 1e9})
-            if k != "raw_grpc":
-                rows[-1]["paired_vs_raw_grpc"] = statistics.median(
-                    b / f for b, f in zip(times["raw_grpc"][1:], times[k][1:], strict=True))
-    raw.close()
-    return rows
-
-
 def _cpu_s(child_pid: int) -> float:
     """CPU seconds (user + system, every thread) of this process and the receiver's: on two cores,
     a transfer whose ZeroMQ I/O threads already keep both cores busy pays for every byte touched."""
@@ -122,9 +98,10 @@ class Receiver:
     certs_dir: str | None
 
     def stop(self) -> dict | None:
-        """Stop it; the transfers' timings where it measured any."""
+        """Stop it; the transfers' timings where it measured any (a transport's receivers, each
+        security mode's, report them; a raw baseline's endpoint alone reports nothing)."""
         self.ctrl_q.put("stop")
-        timings = self.result_q.get(timeout=60) if "off" in self.addrs or "token" in self.addrs else None
+        timings = self.result_q.get(timeout=60) if "token" in self.addrs else None
         self.proc.join(30)
         return timings
 
@@ -150,6 +127,29 @@ def _whole(kv, size_mib: int) -> tuple[int, memoryview]:
     """The first size_mib MiB of the pool's blocks: their count and their bytes as one buffer."""
     n = size_mib * (1 << 20) // kv.layout.block_nbytes
     return n, memoryview(kv.frames(list(range(n)), 1 << 40)[0][0]).cast("B")
+
+
+def _raw_grpc_rows(rx: Receiver, kv, sizes: list[int], reps: int) -> list[dict]:
+    """Blocking calls (the baseline), non-blocking ones and, up to one chunk, messages on an open
+    bidirectional call, in turns; the first of each warms up."""
+    from transfer.grpc_transport import CHUNK
+
+    raw, rows, block_nbytes = RawBaseline("grpc", rx.addrs), [], kv.layout.block_nbytes
+    for size in sizes:
+        n, whole = _whole(kv, size)
+        kinds = ["raw_grpc", "raw_grpc_nonblocking", *(["raw_grpc_lane"] if whole.nbytes <= CHUNK else [])]
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(reps_for(size, reps) + 1):
+            for k in turn(kinds, r):
+                times[k].append(raw.send(whole, nonblocking=k == "raw_grpc_nonblocking", lane=k == "raw_grpc_lane"))
+        for k in kinds:
+            best = min(times[k][1:])
+            rows.append({"transport": k, "mib": size, "seconds": best, "gb_per_s": n * block_nbytes / best / 1e9})
+            if k != "raw_grpc":
+                rows[-1]["paired_vs_raw_grpc"] = statistics.median(
+                    b / f for b, f in zip(times["raw_grpc"][1:], times[k][1:], strict=True))
+    raw.close()
+    return rows
 
 
 def _raw_zmq_rows(rx: Receiver, kv, sizes: list[int], reps: int) -> list[dict]:
@@ -271,8 +271,7 @@ def bench_transport(transport: str, sizes: list[int], reps: int, variant: str = 
     kv = make_pool(max_blocks, fill=True, shared=variant == "shm" or transport in ("zmq", "raw"))
     rx = _start_receiver(transport, variant, max_blocks)
     if transport in ("raw", "raw_grpc"):
-        rows = (_raw_grpc_rows(rx.addrs, kv, kv.layout.block_nbytes, sizes, reps) if transport == "raw_grpc"
-                else _raw_zmq_rows(rx, kv, sizes, reps))
+        rows = (_raw_grpc_rows if transport == "raw_grpc" else _raw_zmq_rows)(rx, kv, sizes, reps)
         rx.stop()
         return rows
     tls = tls_credentials(rx.certs_dir)
