@@ -52,6 +52,10 @@ def test_row_argmax_lse_matches_torch(rows, cols):
     logits[0, cols // 2] = logits[0].max() + 0.5  # a maximum past the first vectors
     if cols > 4:
         logits[-1, 1] = logits[-1, 3] = logits[-1].max() + 1  # ties: the first one, as torch
+    if cols > 17 and rows > 2:
+        # A tie whose later index sits in a lower vector lane (lanes 7 and 1 at 8 or 16 floats a
+        # vector): the first index, not the first lane.
+        logits[1, 7] = logits[1, 17] = logits[1].max() + 1
     tokens, lse = argmax_lse(logits)
     assert tokens.tolist() == torch.argmax(logits, dim=-1).tolist()
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)

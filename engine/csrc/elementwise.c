@@ -62,15 +62,31 @@ void row_argmax_lse(const float *x, int64_t ldx, int64_t rows, int64_t cols, int
 #pragma omp parallel for schedule(static) if (rows * cols >= 65536)
     for (int64_t r = 0; r < rows; ++r) {
         const float *row = x + r * ldx;
-        int64_t i = 0, best = 0;
+        int64_t i = 0, best = cols; /* cols: no maximum (a NaN row), token 0 */
         float top = -INFINITY;
         if (cols >= VW) {
+            /* Each lane's largest value and the first index it was met at (a strict > keeps the
+             * first); the row's first maximum is the lowest such index of the lanes holding the
+             * maximum. A scalar scan for it after the max pass took ~0.2 ms of a 32-row step. */
             vf mv = *(const vf *)row;
-            for (i = VW; i + VW <= cols; i += VW) mv = vmax(mv, *(const vf *)(row + i));
+            vi at = {}, idx = {};
+            for (int l = 0; l < VW; ++l) idx[l] = l;
+            at = idx;
+            for (i = VW; i + VW <= cols; i += VW) {
+                const vf xv = *(const vf *)(row + i);
+                const vi gt = mv < xv;
+                mv = (vf)(((vi)mv & ~gt) | ((vi)xv & gt)); /* vmax, as before: NaN lanes stay */
+                at = (at & ~gt) | ((idx + (int32_t)i) & gt);
+            }
             top = hmax(mv);
+            for (int l = 0; l < VW; ++l)
+                if (mv[l] == top && at[l] < best) best = at[l];
         }
-        for (; i < cols; ++i) top = row[i] > top ? row[i] : top;
-        while (best < cols && !(row[best] == top)) ++best; /* the first maximum (NaN rows: none) */
+        for (; i < cols; ++i) /* the tail, after every vector's index: a tie keeps the earlier */
+            if (row[i] > top) {
+                top = row[i];
+                best = i;
+            }
         vf acc = {};
         for (i = 0; i + VW <= cols; i += VW) acc += vexp(*(const vf *)(row + i) - top);
         float sum = hsum(acc);
