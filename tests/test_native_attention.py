@@ -55,15 +55,22 @@ def test_kernel_matches_sdpa(heads, kv_heads, dim, block_size, window):
     width = int(-(-lens.max() // block_size))
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
     q = torch.randn(len(lens), heads, dim, generator=g)
-    # All six, then one and two sequences: with fewer sequences than threads the kernel splits each
-    # sequence's KV heads over the threads (where torch has more than one).
-    for rows in (list(range(len(lens))), [3], [3, 4]):
-        sub = torch.tensor(rows)
-        group = DecodeGroup(rows=torch.arange(len(rows)), block_tables=tables[sub], context_lens=lens[sub],
-                            max_len=int(lens[sub].max()))
-        got = _native_decode(q[sub], k_cache, v_cache, group, window)
-        want = _reference(q[sub], k_cache, v_cache, tables[sub], lens[sub], window)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # All six, then fewer sequences than threads: the kernel splits each one over the threads, by
+    # its context (partial softmaxes merged; parts left empty where a sequence has fewer blocks
+    # than parts) or, on the scalar path, by its KV heads.
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 3, 4):
+            torch.set_num_threads(n)
+            for rows in (list(range(len(lens))), [3], [3, 4], [0], [2], [4, 5]):
+                sub = torch.tensor(rows)
+                group = DecodeGroup(rows=torch.arange(len(rows)), block_tables=tables[sub], context_lens=lens[sub],
+                                    max_len=int(lens[sub].max()))
+                got = _native_decode(q[sub], k_cache, v_cache, group, window)
+                want = _reference(q[sub], k_cache, v_cache, tables[sub], lens[sub], window)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(paged_decode() is None, reason="no C compiler: the kernel is not built here")

@@ -20,6 +20,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -93,7 +94,7 @@ static inline void vstore(float *p, vf v) { *(vf_alias *)p = v; }
 static inline __attribute__((always_inline)) void task_vec(
     const int NC, const float *qb, const float *k_cache, const float *v_cache, int64_t block_stride,
     int64_t token_stride, int64_t head_stride, const int64_t *table, int64_t start, int64_t len, int groups,
-    int block_size, int kh0, int kh1, float scale2, float *ob, int64_t after) {
+    int block_size, int kh0, int kh1, float scale2, float *ob, int64_t after, float *part) {
     const int dim = NC * VW;
     float m[MAX_H], l[MAX_H], acc[MAX_H * MAX_D];
     for (int h = kh0 * groups; h < kh1 * groups; ++h) { m[h] = -INFINITY; l[h] = 0.f; }
@@ -205,9 +206,39 @@ static inline __attribute__((always_inline)) void task_vec(
             }
         }
     }
+    if (part != NULL) { /* a part of the context: its unnormalized output, maximum and sum */
+        for (int h = kh0 * groups; h < kh1 * groups; ++h) {
+            memcpy(part + h * (dim + 2), acc + h * dim, sizeof(float) * dim);
+            part[h * (dim + 2) + dim] = m[h];
+            part[h * (dim + 2) + dim + 1] = l[h];
+        }
+        return;
+    }
     for (int h = kh0 * groups; h < kh1 * groups; ++h) {
         const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
         for (int d = 0; d < dim; ++d) ob[h * dim + d] = acc[h * dim + d] * inv;
+    }
+}
+
+/* One sequence's output from its context parts (task_vec's `part`: per head, dim unnormalized
+ * sums, then the base-2 maximum and the sum of weights), as one softmax over them all. */
+static void merge_parts(const float *parts, int nparts, int heads, int dim, float *ob) {
+    for (int h = 0; h < heads; ++h) {
+        float mx = -INFINITY, sum = 0.f;
+        for (int p = 0; p < nparts; ++p) {
+            const float mp = parts[((int64_t)p * heads + h) * (dim + 2) + dim];
+            mx = mp > mx ? mp : mx;
+        }
+        for (int d = 0; d < dim; ++d) ob[h * dim + d] = 0.f;
+        for (int p = 0; p < nparts; ++p) {
+            const float *ph = parts + ((int64_t)p * heads + h) * (dim + 2);
+            if (ph[dim] == -INFINITY) continue; /* an empty part */
+            const float w = exp2f(ph[dim] - mx);
+            sum += ph[dim + 1] * w;
+            for (int d = 0; d < dim; ++d) ob[h * dim + d] += ph[d] * w;
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int d = 0; d < dim; ++d) ob[h * dim + d] *= inv;
     }
 }
 
@@ -276,33 +307,59 @@ static void task_scalar(const float *qb, const float *k_cache, const float *v_ca
     }
 }
 
+/* A task's context: the tokens of sequence b it attends to, [*start, *len), its part `p` of
+ * `parts` (whole blocks each; an empty range where the sequence has fewer blocks than parts). */
+static void task_span(int64_t len, int64_t window, int block_size, int p, int parts, int64_t *start,
+                      int64_t *end) {
+    const int64_t s = (window > 0 && len > window) ? len - window : 0;
+    const int64_t b0 = s / block_size, nb = (len + block_size - 1) / block_size - b0;
+    const int64_t lo = (b0 + nb * p / parts) * block_size, hi = (b0 + nb * (p + 1) / parts) * block_size;
+    *start = lo > s ? lo : s;
+    *end = hi < len ? hi : len;
+}
+
 void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                             int64_t block_stride, int64_t token_stride, int64_t head_stride,
                             const int64_t *tables, int64_t table_stride, const int64_t *lens,
                             int batch, int heads, int kv_heads, int dim, int block_size, int64_t window,
                             float scale, float *out) {
     const int groups = heads / kv_heads;
+    const int nc = dim % VW == 0 && groups <= MAX_G ? dim / VW : 0;
     /* One task per sequence, reading each block front to back. With fewer sequences than
-     * threads, each sequence's KV heads are split over the threads too, so a lone stream keeps
-     * every thread busy (its attention 0.52 -> 0.36 ms per step of the 50M model on 2 threads).
-     * Splitting more widely cost more than it saved: with a task per KV head, 2-3 sequences of
-     * 550 tokens stepped ~1 ms slower and 32 sequences 2.4 ms slower, each block then being read
-     * in strided quarters. */
+     * threads, each sequence is split too, so a lone stream keeps every thread busy: on the
+     * vector path its context, in runs of whole blocks, whose partial softmaxes are merged
+     * after (flash decoding). Before that, and still on the scalar path, its KV heads (0.52 ->
+     * 0.36 ms per step of the 50M model on 2 threads), each block read in strided halves: the
+     * context's halves took 0.65x the time for the 8 layers of a lone 2048-token stream on 2
+     * threads (1.36 -> 0.89 ms, KV evicted between calls; 2-core AMD EPYC), 0.95x at 192
+     * tokens, a few microseconds more at 20 (two blocks, and the merge). Splitting KV
+     * heads more widely cost more than it saved: with a task per KV head, 2-3 sequences of 550
+     * tokens stepped ~1 ms slower and 32 sequences 2.4 ms slower, each block then being read in
+     * strided quarters. */
     const int threads = omp_get_max_threads();
-    int split = batch < threads ? (threads + batch - 1) / batch : 1;
+    const int share = batch < threads ? (threads + batch - 1) / batch : 1;
+    int parts = nc ? share : 1;
+    float *scratch = NULL; /* the parts' partial results, merged below */
+    if (parts > 1 && !(scratch = malloc(sizeof(float) * (size_t)batch * parts * heads * (dim + 2))))
+        parts = 1; /* no memory for them (a few KiB): the KV heads split instead */
+    int split = parts > 1 ? 1 : share;
     while (split > 1 && kv_heads % split) --split; /* whole KV heads per task (so split <= kv_heads) */
     const int per_task = kv_heads / split;
-    const int nc = dim % VW == 0 && groups <= MAX_G ? dim / VW : 0;
     const float scale2 = scale * 1.4426950408889634f;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < (int64_t)batch * split; ++task) {
-        const int b = (int)(task / split);
-        const int kh0 = (int)(task % split) * per_task, kh1 = kh0 + per_task;
-        const int64_t len = lens[b];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
+    for (int64_t task = 0; task < (int64_t)batch * split * parts; ++task) {
+        const int b = (int)(task / (split * parts)), p = (int)(task % parts);
+        const int kh0 = (int)(task / parts % split) * per_task, kh1 = kh0 + per_task;
+        int64_t start, len;
+        task_span(lens[b], window, block_size, p, parts, &start, &len);
         const float *qb = q + (int64_t)b * q_stride; /* a row of the qkv projection: no copy of q */
         const int64_t *table = tables + b * table_stride;
         float *ob = out + (int64_t)b * heads * dim;
+        float *part = scratch ? scratch + ((int64_t)b * parts + p) * heads * (dim + 2) : NULL;
+        if (start >= len) { /* an empty part (fewer blocks than parts) */
+            for (int h = 0; h < heads; ++h) part[h * (dim + 2) + dim] = -INFINITY;
+            continue;
+        }
         /* The block this thread most likely reads after this task: the first of the sequence
          * `threads` ahead (tasks of similar length come back to each thread in turn). Prefetched
          * over this task's last block, it spares each sequence a cold first block: on a 2-core
@@ -311,12 +368,13 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cac
          * tokens no faster (one cold block in 32). A wrong guess only wastes reads. */
         const int64_t nb = (int64_t)b + threads;
         int64_t after = -1;
-        if (split == 1 && nb < batch) {
-            const int64_t nlen = lens[nb], nstart = (window > 0 && nlen > window) ? nlen - window : 0;
+        if (split == 1 && parts == 1 && nb < batch) {
+            int64_t nstart, nlen;
+            task_span(lens[nb], window, block_size, 0, 1, &nstart, &nlen);
             after = tables[nb * table_stride + nstart / block_size];
         }
 #define VEC(N) task_vec(N, qb, k_cache, v_cache, block_stride, token_stride, head_stride, table, start, len, \
-                        groups, block_size, kh0, kh1, scale2, ob, after)
+                        groups, block_size, kh0, kh1, scale2, ob, after, part)
         switch (nc) {
         case 1: VEC(1); break;
         case 2: VEC(2); break;
@@ -331,6 +389,12 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cac
                         dim, block_size, kh0, kh1, scale, ob);
         }
 #undef VEC
+    }
+    if (scratch) {
+        for (int b = 0; b < batch; ++b)
+            merge_parts(scratch + (int64_t)b * parts * heads * (dim + 2), parts, heads, dim,
+                        out + (int64_t)b * heads * dim);
+        free(scratch);
     }
 }
 
