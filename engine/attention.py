@@ -98,7 +98,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     from engine.kernels import elementwise
 
     fns = elementwise() if k.device.type == "cpu" and k_cache.device.type == "cpu" else None
-    if (fns is not None and _rows_packed(k) and _rows_packed(v) and _rows_packed(k_cache)
+    if (fns is not None and rows_packed(k) and rows_packed(v) and rows_packed(k_cache)
             and k_cache.stride() == v_cache.stride() and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
             and blocks.dtype == offsets.dtype == torch.int64 and blocks.is_contiguous() and offsets.is_contiguous()):
         e = k.element_size()
@@ -224,9 +224,9 @@ def _native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: i
     from engine.kernels import prefill_attention
 
     n, h, d = q.shape
-    if not _rows_packed(q):
+    if not rows_packed(q):
         q = q.contiguous()
-    if not (_rows_packed(k) and _rows_packed(v) and k.stride(0) == v.stride(0)):
+    if not (rows_packed(k) and rows_packed(v) and k.stride(0) == v.stride(0)):
         k, v = k.contiguous(), v.contiguous()
     if out is None:
         out = torch.empty(n, h, d, dtype=q.dtype)
@@ -238,7 +238,7 @@ def _native_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: i
     return out
 
 
-def _rows_packed(x: torch.Tensor) -> bool:
+def rows_packed(x: torch.Tensor) -> bool:
     """Whether each token's heads lie packed in one row (the last two dims, [..., H, D], with unit
     stride in D and D between heads: [T, H, D] activations, or a pool's [blocks, slots, H, D]);
     the strides before them may be anything."""
@@ -252,7 +252,7 @@ def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     of 512 tokens. ctypes releases the GIL for the call."""
     from engine.kernels import paged_decode
 
-    if not _rows_packed(q):
+    if not rows_packed(q):
         q = q.contiguous()
     b, h, d = q.shape
     out = torch.empty(b, h, d, dtype=q.dtype)

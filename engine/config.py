@@ -43,6 +43,10 @@ class EngineConfig:
     # copy: where memory is tighter than time). The native kernel needs fp32 and a C compiler;
     # oneDNN fp32, or bf16 with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; elsewhere MKL runs.
     cpu_gemm: GemmLayout = "auto"
+    # Decode steps run their layers layer by layer from Python, never as one native call
+    # (engine/decode_step.py; as vLLM's enforce_eager skips CUDA graphs). The same tokens either
+    # way: for debugging and for comparing the two.
+    enforce_eager: bool = False
     seed: int = 0
     # Device emulation, off by default: every engine step also sleeps this many seconds per token
     # it computes, standing in for a slower accelerator. On a small CPU machine compute stops

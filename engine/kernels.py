@@ -187,6 +187,20 @@ def rms_norm():
 
 
 @functools.cache
+def decode_step():
+    """The C function decode_step (csrc/decode_step.c) with its argument types, or None; `work`
+    is decode_step_work (the floats of scratch a step of n rows needs)."""
+    fn, lib = _function("decode_step.c", "decode_step",
+                        [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR],
+                        "decode steps run their layers from Python")
+    if fn is None:
+        return None
+    lib.decode_step_work.argtypes, lib.decode_step_work.restype = [_PTR, _I64], _I64
+    fn.work = lib.decode_step_work
+    return fn
+
+
+@functools.cache
 def sample_rows():
     """The C function sample_rows (csrc/sampling.c) with its argument types, or None."""
     return _function("sampling.c", "sample_rows", [_PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR],

@@ -56,6 +56,7 @@ class LLMEngine:
         self.gemm_routes = pack_linears(self.model, self.gemm_layout, config.max_num_batched_tokens,
                                         min(config.max_num_seqs, config.max_num_batched_tokens))
         weights_into_huge_pages(self.model)  # CPU weights only
+        self.model.use_native_step = not config.enforce_eager
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         per_block = KVCache.bytes_per_block(self.spec, config.block_size, config.dtype)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.decode_step import NativeDecodeStep, eligible
 from engine.kernels import elementwise as native_elementwise
 from engine.kernels import rms_norm as native_rms_norm
 from engine.linear import Linear
@@ -149,6 +150,9 @@ class DecoderModel(nn.Module):
         # builds them (rope_tables) on the model's device after the weights land.
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
+        self._step: NativeDecodeStep | bool | None = None  # _native_step: not made yet / not this model's
+        self.use_native_step = True  # EngineConfig.enforce_eager turns it off
+        self.native_steps = 0  # decode steps run by the native step (engine/decode_step.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,6 +163,10 @@ class DecoderModel(nn.Module):
         prompt's last token: 1/L of a prompt's GEMMs and attention (on the 8-layer benchmark
         model, a tenth of its prefill), where transformers (logits_to_keep) and vLLM skip only
         the LM head for the rows that do not sample."""
+        step = self._native_step(kv_caches) if self.use_native_step else None
+        if step is not None and step.takes(meta, kv_caches, keep, input_ids.shape[0]):
+            self.native_steps += 1
+            return step.run(input_ids, positions, meta)  # the same kernels, driven from C
         x = self.embed_tokens(input_ids)
         cos = self.cos_table[positions].to(x.dtype).unsqueeze(1)
         sin = self.sin_table[positions].to(x.dtype).unsqueeze(1)
@@ -166,6 +174,14 @@ class DecoderModel(nn.Module):
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, k_cache, v_cache, meta, keep if i == last else None)
         return self.norm(x)
+
+    def _native_step(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> NativeDecodeStep | None:
+        """The native decode step for this KV pool, made on the first step (the weights' copies
+        and routes are final by then), or None where the model is not one it runs."""
+        step = self._step
+        if step is None or (step and step.pool_ptr != kv_caches[0][0].data_ptr()):
+            step = self._step = NativeDecodeStep(self, kv_caches) if eligible(self) else False
+        return step or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
