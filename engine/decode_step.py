@@ -56,9 +56,10 @@ def eligible(model) -> bool:
         return False
     if model.cos_table.dim() != 2 or model.cos_table.shape[1] != spec.head_dim or not model.cos_table.is_contiguous():
         return False
+    eps = model.norm.eps  # the driver takes one RMSNorm epsilon
     return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
             and all(la.act is F.silu and la.q_norm is None and all(li.panels is not None for li in _linears(la))
-                    for la in layers))
+                    and la.input_layernorm.eps == la.post_attention_layernorm.eps == eps for la in layers))
 
 
 class NativeDecodeStep:
@@ -89,8 +90,6 @@ class NativeDecodeStep:
 
     @staticmethod
     def _layer(la, k: torch.Tensor, v: torch.Tensor) -> StepLayer:
-        if la.input_layernorm.eps != la.post_attention_layernorm.eps:
-            raise ValueError("the native step takes one RMSNorm epsilon")
         return StepLayer(la.input_layernorm.weight.data_ptr(), la.post_attention_layernorm.weight.data_ptr(),
                          *(li.panels.data_ptr() for li in _linears(la)), *(_ptr(li.bias) for li in _linears(la)),
                          k.data_ptr(), v.data_ptr())
