@@ -51,15 +51,16 @@ def _linears(layer) -> list[Linear]:
 def eligible(model) -> bool:
     """Whether the model's decode layers are all the driver knows: fp32 on the CPU, SiLU, rotary
     over whole heads, no qk norms, every kernel built, every linear layer with its panels."""
-    spec, layers = model.spec, list(model.layers)
-    if not (decode_step() and elementwise() and paged_decode() and panel_gemm() and rms_norm()):
+    spec, layers, embed = model.spec, list(model.layers), model.embed_tokens.weight
+    if embed.dtype != torch.float32 or embed.device.type != "cpu":
         return False
     if model.cos_table.dim() != 2 or model.cos_table.shape[1] != spec.head_dim or not model.cos_table.is_contiguous():
         return False
     eps = model.norm.eps  # the driver takes one RMSNorm epsilon
-    return (model.embed_tokens.weight.dtype == torch.float32 and model.embed_tokens.weight.device.type == "cpu"
-            and all(la.act is F.silu and la.q_norm is None and all(li.panels is not None for li in _linears(la))
-                    and la.input_layernorm.eps == la.post_attention_layernorm.eps == eps for la in layers))
+    if not all(la.act is F.silu and la.q_norm is None and all(li.panels is not None for li in _linears(la))
+               and la.input_layernorm.eps == la.post_attention_layernorm.eps == eps for la in layers):
+        return False
+    return all(k() is not None for k in (decode_step, elementwise, paged_decode, panel_gemm, rms_norm))
 
 
 class NativeDecodeStep:

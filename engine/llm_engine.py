@@ -56,7 +56,6 @@ class LLMEngine:
         self.gemm_routes = pack_linears(self.model, self.gemm_layout, config.max_num_batched_tokens,
                                         min(config.max_num_seqs, config.max_num_batched_tokens))
         weights_into_huge_pages(self.model)  # CPU weights only
-        self.model.use_native_step = not config.enforce_eager
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         per_block = KVCache.bytes_per_block(self.spec, config.block_size, config.dtype)
@@ -69,6 +68,9 @@ class LLMEngine:
         self.bm = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.bm)
         self.runner = ModelRunner(self.model, self.kv, self.device)
+        # The weights' copies and routes are final here: the plan may point into them (its kernel
+        # is built now, not in the first request's step).
+        self.model.prepare_native_step(self.kv.layers, enabled=not config.enforce_eager)
         self.seqs: dict[str, Sequence] = {}
         self.streams: dict[str, TextStream] = {}
         self._pending: list[RequestOutput] = []

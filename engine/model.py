@@ -150,8 +150,7 @@ class DecoderModel(nn.Module):
         # builds them (rope_tables) on the model's device after the weights land.
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
-        self._step: NativeDecodeStep | bool | None = None  # _native_step: not made yet / not this model's
-        self.use_native_step = True  # EngineConfig.enforce_eager turns it off
+        self._step: NativeDecodeStep | None = None  # prepare_native_step
         self.native_steps = 0  # decode steps run by the native step (engine/decode_step.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
@@ -163,7 +162,7 @@ class DecoderModel(nn.Module):
         prompt's last token: 1/L of a prompt's GEMMs and attention (on the 8-layer benchmark
         model, a tenth of its prefill), where transformers (logits_to_keep) and vLLM skip only
         the LM head for the rows that do not sample."""
-        step = self._native_step(kv_caches) if self.use_native_step else None
+        step = self._step
         if step is not None and step.takes(meta, kv_caches, keep, input_ids.shape[0]):
             self.native_steps += 1
             return step.run(input_ids, positions, meta)  # the same kernels, driven from C
@@ -175,13 +174,10 @@ class DecoderModel(nn.Module):
             x = layer(x, cos, sin, k_cache, v_cache, meta, keep if i == last else None)
         return self.norm(x)
 
-    def _native_step(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> NativeDecodeStep | None:
-        """The native decode step for this KV pool, made on the first step (the weights' copies
-        and routes are final by then), or None where the model is not one it runs."""
-        step = self._step
-        if step is None or (step and step.pool_ptr != kv_caches[0][0].data_ptr()):
-            step = self._step = NativeDecodeStep(self, kv_caches) if eligible(self) else False
-        return step or None
+    def prepare_native_step(self, kv_caches: list[tuple[torch.Tensor, ...]], enabled: bool = True) -> None:
+        """Decode steps on this KV pool run as one native call from now on, where the model is one
+        the driver runs (engine/decode_step.py); once its weights' copies and routes are final."""
+        self._step = NativeDecodeStep(self, kv_caches) if enabled and eligible(self) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
