@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import check_close, hf_greedy, make_random_model
+from test_engine_generation import transfer
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import decode_step, panel_gemm
@@ -14,12 +15,16 @@ pytestmark = pytest.mark.skipif(decode_step() is None or panel_gemm() is None,
                                 reason="no C compiler: the native kernels are not built here")
 
 
+def _wide(tmp_path, arch: str, **extra) -> str:
+    # Layers of 32K+ weights, so every one has its panels and the step can run natively.
+    return make_random_model(arch, tmp_path / arch, seed=11, hidden_size=256, intermediate_size=384,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **extra)
+
+
 @pytest.mark.parametrize(("arch", "extra"), [("llama", {}), ("mistral", {"sliding_window": 48}),
                                              ("qwen2", {})])  # qwen2: q/k/v biases
 def test_native_step_gives_the_layers_bits(tmp_path, arch, extra):
-    # Layers of 32K+ weights, so every one has its panels and the step can run natively.
-    path = make_random_model(arch, tmp_path / arch, seed=11, hidden_size=256, intermediate_size=384,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, **extra)
+    path = _wide(tmp_path, arch, **extra)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (3, 40, 130)]
     params = [SamplingParams(max_tokens=24, temperature=0, logprobs=3),
@@ -36,3 +41,30 @@ def test_native_step_gives_the_layers_bits(tmp_path, arch, extra):
             assert a["logprobs"] == b["logprobs"] and a["top_logprobs"] == b["top_logprobs"]
     for p, out in zip(prompts[:1] + prompts, runs[False][0], strict=True):  # and transformers' greedy
         check_close(hf_greedy(path, p, 24), out, f"{arch} native step, len {len(p)}")
+
+
+def test_imported_kv_decodes_natively_as_in_one_engine(tmp_path):
+    """The decode pool's case: prompts prefilled on one engine, their KV shipped by block into
+    another, which decodes them with the native step; the tokens and logprobs of one eager engine."""
+    path = _wide(tmp_path, "llama")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (17, 64, 150)]
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=2)
+    want = LLMEngine(EngineConfig(model=path, cpu_gemm="native", enforce_eager=True)).generate(prompts, params)
+    pre, dec = (LLMEngine(EngineConfig(model=path, cpu_gemm="native", block_size=16)) for _ in range(2))
+    got: dict[str, dict] = {}
+    for i, p in enumerate(prompts):
+        pre.add_request(f"r{i}", p, params, prefill_only=True)
+    while pre.has_unfinished():
+        for out in pre.step():
+            got[out.request_id] = {"token_ids": out.new_token_ids, "logprobs": out.new_logprobs}
+    for i, p in enumerate(prompts):
+        transfer(pre, dec, f"r{i}", p, params)
+    while dec.has_unfinished():
+        for out in dec.step():
+            got[out.request_id]["token_ids"] += out.new_token_ids
+            got[out.request_id]["logprobs"] += out.new_logprobs
+    assert dec.model.native_steps > 0
+    for i, w in enumerate(want):
+        assert got[f"r{i}"]["token_ids"] == w["token_ids"]
+        assert got[f"r{i}"]["logprobs"] == w["logprobs"]
