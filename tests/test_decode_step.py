@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import check_close, hf_greedy, make_random_model
-from test_engine_generation import transfer
+from test_engine_generation import disaggregated
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kernels import decode_step, panel_gemm
@@ -52,19 +52,8 @@ def test_imported_kv_decodes_natively_as_in_one_engine(tmp_path):
     params = SamplingParams(max_tokens=20, temperature=0, logprobs=2)
     want = LLMEngine(EngineConfig(model=path, cpu_gemm="native", enforce_eager=True)).generate(prompts, params)
     pre, dec = (LLMEngine(EngineConfig(model=path, cpu_gemm="native", block_size=16)) for _ in range(2))
-    got: dict[str, dict] = {}
-    for i, p in enumerate(prompts):
-        pre.add_request(f"r{i}", p, params, prefill_only=True)
-    while pre.has_unfinished():
-        for out in pre.step():
-            got[out.request_id] = {"token_ids": out.new_token_ids, "logprobs": out.new_logprobs}
-    for i, p in enumerate(prompts):
-        transfer(pre, dec, f"r{i}", p, params)
-    while dec.has_unfinished():
-        for out in dec.step():
-            got[out.request_id]["token_ids"] += out.new_token_ids
-            got[out.request_id]["logprobs"] += out.new_logprobs
+    got, _ = disaggregated(pre, dec, prompts, params)
     assert dec.model.native_steps > 0
     for i, w in enumerate(want):
-        assert got[f"r{i}"]["token_ids"] == w["token_ids"]
-        assert got[f"r{i}"]["logprobs"] == w["logprobs"]
+        assert got[f"p{i}"]["token_ids"] == w["token_ids"]
+        assert got[f"p{i}"]["logprobs"] == w["logprobs"]

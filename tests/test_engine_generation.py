@@ -103,6 +103,28 @@ def transfer(src: LLMEngine, dst: LLMEngine, rid: str, prompt: list[int], params
     assert dst.commit_import(rid, exp.first_token, exp.first_logprob) is None
 
 
+def disaggregated(pre: LLMEngine, dec: LLMEngine, prompts: list[list[int]], params: SamplingParams
+                  ) -> tuple[dict[str, dict], list]:
+    """Prompts ("p0", "p1", ...) prefilled on `pre`, their KV shipped by block into `dec`, decoded
+    there: each one's token_ids, logprobs and top_logprobs, and the prefill's outputs."""
+    for i, p in enumerate(prompts):
+        pre.add_request(f"p{i}", p, params, prefill_only=True)
+    got, firsts = {}, []
+    while pre.has_unfinished():
+        for out in pre.step():
+            firsts.append(out)
+            got[out.request_id] = {"token_ids": out.new_token_ids, "logprobs": out.new_logprobs,
+                                   "top_logprobs": out.new_top_logprobs}
+    for i, p in enumerate(prompts):
+        transfer(pre, dec, f"p{i}", p, params)
+    while dec.has_unfinished():
+        for out in dec.step():
+            r = got[out.request_id]
+            r["token_ids"], r["logprobs"] = r["token_ids"] + out.new_token_ids, r["logprobs"] + out.new_logprobs
+            r["top_logprobs"] = r["top_logprobs"] + out.new_top_logprobs
+    return got, firsts
+
+
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_kv_export_import(stories_path, story_ids, story_refs, block_size):
     cfg = EngineConfig(model=stories_path, block_size=block_size, max_num_batched_tokens=256)
@@ -224,19 +246,8 @@ def test_random_families_prefix_and_transfer(random_models, arch):
     pre, dec = LLMEngine(cfg), LLMEngine(cfg)
     pre.generate([system + [5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))  # warm
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=5)
-    for i, p in enumerate(prompts):
-        pre.add_request(f"p{i}", p, params, prefill_only=True)
-    got = {}
-    while pre.has_unfinished():
-        for out in pre.step():
-            assert out.num_cached_tokens >= 80
-            got[out.request_id] = {"token_ids": out.new_token_ids, "top_logprobs": out.new_top_logprobs}
-    for i, p in enumerate(prompts):
-        transfer(pre, dec, f"p{i}", p, params)
-    while dec.has_unfinished():
-        for out in dec.step():
-            got[out.request_id]["token_ids"] += out.new_token_ids
-            got[out.request_id]["top_logprobs"] += out.new_top_logprobs
+    got, firsts = disaggregated(pre, dec, prompts, params)
+    assert all(out.num_cached_tokens >= 80 for out in firsts)
     for i, p in enumerate(prompts):
         check_close(hf_greedy(path, p, 12), got[f"p{i}"], f"{arch} transfer {i}")
 
