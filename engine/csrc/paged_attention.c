@@ -42,8 +42,7 @@
 #define FOLD_HI2 ((vi){2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31})
 #define FOLD_LO3 ((vi){0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30})
 #define FOLD_HI3 ((vi){1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31})
-static const int LANE_ROW[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-#define LANE_ROWS ((vi){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15})
+#define LANE_ROW ((vi){0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15})
 #else
 #define FOLD_LO0 ((vi){0, 1, 2, 3, 8, 9, 10, 11})
 #define FOLD_HI0 ((vi){4, 5, 6, 7, 12, 13, 14, 15})
@@ -51,8 +50,7 @@ static const int LANE_ROW[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 
 #define FOLD_HI1 ((vi){2, 3, 10, 11, 6, 7, 14, 15})
 #define FOLD_LO2 ((vi){0, 8, 2, 10, 4, 12, 6, 14})
 #define FOLD_HI2 ((vi){1, 9, 3, 11, 5, 13, 7, 15})
-static const int LANE_ROW[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-#define LANE_ROWS ((vi){0, 4, 2, 6, 1, 5, 3, 7})
+#define LANE_ROW ((vi){0, 4, 2, 6, 1, 5, 3, 7})
 #endif
 
 #define FOLD(level, n)                                                                                  \
@@ -156,7 +154,7 @@ static inline __attribute__((always_inline)) void task_vec(
                         }
                         part[i] = a + b;
                     }
-                    const vi valid = LANE_ROWS < (hi - t0);
+                    const vi valid = LANE_ROW < (hi - t0);
                     sv[j] = (vf)(((vi)fold_sums(part) & valid) | ((vi)((vf){} - INFINITY) & ~valid));
                 }
                 /* Online softmax over the block. */
@@ -166,7 +164,7 @@ static inline __attribute__((always_inline)) void task_vec(
                 const float corr = m[h] == -INFINITY ? 0.f : exp2f(m[h] - mnew);
                 vf vsum = {};
                 for (int j = 0; j < nv; ++j) {
-                    const vi valid = LANE_ROWS < (hi - lo - j * VW);
+                    const vi valid = LANE_ROW < (hi - lo - j * VW);
                     sv[j] = (vf)((vi)vexp2(sv[j] - mnew) & valid); /* padding lanes: exactly 0 */
                     vsum += sv[j];
                 }
@@ -307,7 +305,7 @@ static void task_scalar(const float *qb, const float *k_cache, const float *v_ca
     }
 }
 
-/* A task's context: the tokens of sequence b it attends to, [*start, *len), its part `p` of
+/* A task's context: the tokens of a sequence of `len` it attends to, [*start, *end), its part `p` of
  * `parts` (whole blocks each; an empty range where the sequence has fewer blocks than parts). */
 static void task_span(int64_t len, int64_t window, int block_size, int p, int parts, int64_t *start,
                       int64_t *end) {
@@ -356,7 +354,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cac
         const int64_t *table = tables + b * table_stride;
         float *ob = out + (int64_t)b * heads * dim;
         float *part = scratch ? scratch + ((int64_t)b * parts + p) * heads * (dim + 2) : NULL;
-        if (start >= len) { /* an empty part (fewer blocks than parts) */
+        if (part != NULL && start >= len) { /* an empty part (fewer blocks than parts) */
             for (int h = 0; h < heads; ++h) part[h * (dim + 2) + dim] = -INFINITY;
             continue;
         }
