@@ -113,15 +113,16 @@ def disaggregated(pre: LLMEngine, dec: LLMEngine, prompts: list[list[int]], para
     while pre.has_unfinished():
         for out in pre.step():
             firsts.append(out)
-            got[out.request_id] = {"token_ids": out.new_token_ids, "logprobs": out.new_logprobs,
-                                   "top_logprobs": out.new_top_logprobs}
+            got[out.request_id] = {"token_ids": list(out.new_token_ids), "logprobs": list(out.new_logprobs),
+                                   "top_logprobs": list(out.new_top_logprobs)}
     for i, p in enumerate(prompts):
         transfer(pre, dec, f"p{i}", p, params)
     while dec.has_unfinished():
         for out in dec.step():
             r = got[out.request_id]
-            r["token_ids"], r["logprobs"] = r["token_ids"] + out.new_token_ids, r["logprobs"] + out.new_logprobs
-            r["top_logprobs"] = r["top_logprobs"] + out.new_top_logprobs
+            r["token_ids"] += out.new_token_ids
+            r["logprobs"] += out.new_logprobs
+            r["top_logprobs"] += out.new_top_logprobs
     return got, firsts
 
 
