@@ -74,7 +74,7 @@ class NativeDecodeStep:
         self._packed = all(rows_packed(k) and rows_packed(v) and k.stride() == v.stride() == k0.stride()
                            for k, v, *_ in kv_caches)
         ew = elementwise()
-        # What the plan points into, held as long as it is (a layer's copies may be dropped later).
+        # What the plan points into, held as long as the plan is, whatever later happens to the layers.
         self._held = [t for la in model.layers for li in _linears(la) for t in (li.panels, li.bias) if t is not None]
         self._layers = (StepLayer * len(model.layers))(*[self._layer(la, k, v) for la, (k, v, *_)
                                                         in zip(model.layers, kv_caches, strict=True)])
