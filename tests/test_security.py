@@ -5,6 +5,7 @@ in mtls mode; forged KV and KV from a prefill worker the router did not choose n
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -227,3 +228,27 @@ def test_a_world_readable_ray_token_file_is_made_private(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
     _keep_ray_token_private()
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("source", ["env", "path", "default", "none", "mode_set"])
+def test_a_joining_driver_takes_token_mode_where_ray_start_would(source, tmp_path, monkeypatch):
+    """`ray start` turns token auth on when RAY_AUTH_TOKEN, the file at RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token holds a token; a driver joining that cluster must ask for token mode too."""
+    from pdserve.launch.cluster import _join_with_token_if_ray_would
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    if source == "env":
+        monkeypatch.setenv("RAY_AUTH_TOKEN", "t")
+    elif source == "path":
+        (tmp_path / "elsewhere").write_text("t")
+        monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "elsewhere"))
+    elif source in ("default", "mode_set"):
+        (tmp_path / ".ray").mkdir()
+        (tmp_path / ".ray" / "auth_token").write_text("t")
+    if source == "mode_set":
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's choice stands
+    _join_with_token_if_ray_would()
+    want = {"none": None, "mode_set": "disabled"}.get(source, "token")
+    assert os.environ.get("RAY_AUTH_MODE") == want

@@ -75,12 +75,27 @@ def _ray_on_loopback(loopback: bool) -> Iterator[None]:
         del os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
 
 
+def _ray_token_path() -> Path:
+    """The file Ray reads its token from when RAY_AUTH_TOKEN is unset."""
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+
+
+def _join_with_token_if_ray_would() -> None:
+    """`ray start` turns token auth on when a token is at hand (RAY_AUTH_MODE unset): in
+    RAY_AUTH_TOKEN, in the file at RAY_AUTH_TOKEN_PATH, or in ~/.ray/auth_token, Ray's own order.
+    A driver joining by address must do the same, before Ray is imported (it reads the mode once),
+    or the cluster refuses it. Looking only at ~/.ray/auth_token, a driver whose token came by
+    the environment (KubeRay's way, or a path of the user's) joined without it."""
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or _ray_token_path().exists()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _keep_ray_token_private() -> None:
     """Ray writes its token file (RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) with the process's
     umask: 0644 here, so any user of the host could read it and run code in this Ray as its owner
     (the embedded one listens on loopback, where every local user can reach it). Only its owner
     reads it (the driver and Ray's daemons run as that user): 0600, as pdserve's own secrets."""
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    path = _ray_token_path()
     try:
         st = path.stat()
         if st.st_uid == os.getuid() and st.st_mode & 0o077:
@@ -123,10 +138,8 @@ class RayCluster:
 
     def start(self, timeout_s: float = 300.0) -> str:
         address = ray_address(self.cfg)
-        if address is not None and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
-            # `ray start` turns token auth on when ~/.ray/auth_token exists; a joining driver must do the
-            # same (before Ray is imported: it reads the mode once) or the cluster refuses it.
-            os.environ["RAY_AUTH_MODE"] = "token"
+        if address is not None:
+            _join_with_token_if_ray_would()
         import ray
 
         from pdserve.launch.actors import RouterActor
