@@ -213,6 +213,18 @@ def test_best_static_search_finds_a_split_that_meets_the_target():
     assert smaller and all(t["attainment"] < 0.9 for t in smaller)
 
 
+def test_the_split_search_looks_past_a_tie():
+    """Neighbouring splits can meet the same share (a plateau); a climb that stops there misses
+    a better split past it. The runs are given by split, as the search memoizes them."""
+    from pdserve.sim.search import _best_split
+
+    met = {1: 0.5, 2: 0.7, 3: 0.88, 4: 0.85, 5: 0.85, 6: 0.83, 7: 0.8, 8: 0.7, 9: 0.6}
+    cache = {(("decode", 10 - p), ("prefill", p)): {"attainment": a, "split": {"prefill": p, "decode": 10 - p}}
+             for p, a in met.items()}
+    best = _best_split([], SimSettings(profile=profile()), 10, 5, cache, first_step=1)
+    assert best["split"]["prefill"] == 3, best
+
+
 def test_shipped_profile_and_synthetic_trace_specs():
     prof = StepCostModel.load(default_profile())
     assert prof.transfer_bytes_per_s and prof.kv_bytes_per_token and prof.kv_capacity_tokens
