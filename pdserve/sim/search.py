@@ -25,9 +25,9 @@ from router.planner.sla import MISS_SHARES
 
 JITTER_S = 1.0  # copies of a request arrive within this much of it
 # The static search grows its total by GROW_FAR while the best split misses the target by more
-# than NEAR, and by GROW_NEAR once it is that close: from the sizing model's split (about 1 point
-# short on the traces) a 1.5x step overshot to 84 workers where 58 reach the target, and the
-# bisection back spent a third of the search's runs on totals far above it.
+# than NEAR, and by GROW_NEAR once it is that close: from the sizing model's split for the Azure
+# trace at 64 workers (56 workers, 0.6 points short) a 1.5x step overshot to 84 where 58 reach
+# the target, and the bisection back spent a third of the search's runs on totals far above it.
 GROW_FAR, GROW_NEAR, NEAR = 1.5, 1.1, 0.03
 
 
