@@ -250,6 +250,9 @@ def test_pdserve_simulate_cli(tmp_path):
     p = res["planner"]
     assert (f"planner    : attainment {p['attainment']:.1%} (TTFT {p['ttft_attainment']:.1%}, "
             f"TPOT {p['tpot_attainment']:.1%})") in done.stdout, done.stdout
+    # The search's progress, as it goes, on stderr (at 512 workers it takes minutes).
+    s = res["best_static"]
+    assert f"at best {s['split']['prefill']}P+{s['split']['decode']}D meets {s['attainment']:.2%}" in done.stderr
     static = subprocess.run(cmd[:-2] + ["--static", "1:2", "--json", str(tmp_path / "s.json")], capture_output=True,
                             text=True, timeout=300)
     assert static.returncode == 0, static.stderr

@@ -4,7 +4,9 @@ static split (or one given split), and write JSON plus a PNG of replicas over ti
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -68,7 +70,7 @@ def _settings(args, profile: StepCostModel, decode: StepCostModel | None) -> tup
     return settings_from(planner, base), planner
 
 
-def run(args) -> dict:
+def run(args, say: Callable[[str], None] | None = None) -> dict:
     t0 = time.perf_counter()
     prof_path = Path(args.profile) if args.profile else default_profile()
     profile = StepCostModel.load(prof_path)
@@ -94,7 +96,7 @@ def run(args) -> dict:
         _, out["static"] = simulate(reqs, settings, StaticPlanner(split), split)
         out["static"]["split"] = split
     else:
-        out.update(compare(reqs, settings, planner))
+        out.update(compare(reqs, settings, planner, say=say))
     out["wall_s"] = time.perf_counter() - t0
     return out
 
@@ -139,7 +141,7 @@ def _met(s: dict) -> str:
 
 
 def main(args) -> int:
-    out = run(args)
+    out = run(args, say=lambda line: print(line, file=sys.stderr, flush=True))
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=str) + "\n")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from pdcommon.config import PlannerSection
@@ -160,10 +162,12 @@ def _best_split(reqs, settings, total: int, start_prefill: int, cache: dict, fir
 
 
 def best_static(reqs: list[TraceRequest], settings: SimSettings, target: float, start: dict[str, int],
-                max_total: int = 4096, cache: dict | None = None) -> dict:
+                max_total: int = 4096, cache: dict | None = None, say: Callable[[str], None] | None = None) -> dict:
     """The cheapest static split that reaches `target` attainment (or, if none up to `max_total`
-    does, the best found), with every split tried (`cache`: runs to reuse, by split)."""
+    does, the best found), with every split tried (`cache`: runs to reuse, by split). `say`
+    hears each total's best split as it is found (at 512 workers the search takes minutes)."""
     cache = {} if cache is None else cache
+    t0 = time.perf_counter()
     colocated = settings.mode == "colocated"
     start_share = 0.0 if colocated else start["prefill"] / max(sum(start.values()), 1)
     # The best split's prefill share at the last total climbed: the next total's climb starts
@@ -173,10 +177,14 @@ def best_static(reqs: list[TraceRequest], settings: SimSettings, target: float, 
 
     def best_at(total: int) -> dict:
         if colocated:
-            return _static_run(reqs, settings, {"colocated": total}, cache)
-        share, first_step = (climbed["share"], total // 32) if climbed else (start_share, total // 8)
-        got = _best_split(reqs, settings, total, round(share * total), cache, first_step)
-        climbed["share"] = got["split"]["prefill"] / total
+            got = _static_run(reqs, settings, {"colocated": total}, cache)
+        else:
+            share, first_step = (climbed["share"], total // 32) if climbed else (start_share, total // 8)
+            got = _best_split(reqs, settings, total, round(share * total), cache, first_step)
+            climbed["share"] = got["split"]["prefill"] / total
+        if say is not None:
+            say(f"static split search for {target:.1%}: {total} workers, at best {_split_text(got['split'])} "
+                f"meets {got['attainment']:.2%} ({len(cache)} runs, {time.perf_counter() - t0:.0f} s)")
         return got
 
     lo_total = 1 if colocated else 2
@@ -210,17 +218,24 @@ def run_planner(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSec
     return simulate(reqs, settings, planner, initial)
 
 
-def compare(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSection) -> dict:
+def compare(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSection,
+            say: Callable[[str], None] | None = None) -> dict:
+    """The planner in the loop, then the best static split at the target and at the planner's
+    own attainment; `say` hears the progress."""
     target = cfg.target_attainment
     start = sized_split(reqs, settings, target, cheapest=True)
+    t0 = time.perf_counter()
     result, planner = run_planner(reqs, settings, cfg, start)
+    if say is not None:
+        say(f"planner: {planner['attainment']:.2%} met in {planner['worker_hours']:.2f} worker-h, started at "
+            f"{_split_text(start)} ({time.perf_counter() - t0:.0f} s)")
     cache: dict = {}
-    static = best_static(reqs, settings, target, start, cache=cache)
+    static = best_static(reqs, settings, target, start, cache=cache, say=say)
     # The issue's comparison is against the best static split that reaches the planner's own
     # attainment: a planner above the target is compared with a static split as good.
     same = static
     if planner["attainment"] > static["attainment"]:
-        same = best_static(reqs, settings, planner["attainment"], start, cache=cache)
+        same = best_static(reqs, settings, planner["attainment"], start, cache=cache, say=say)
     return {"target_attainment": target, "planner": planner, "best_static": static,
             "best_static_same_attainment": {k: v for k, v in same.items() if k != "tried"},
             "worker_hours_saved_same_attainment": (1 - planner["worker_hours"] / same["worker_hours"])
@@ -229,6 +244,10 @@ def compare(reqs: list[TraceRequest], settings: SimSettings, cfg: PlannerSection
             "worker_hours_saved": (1 - planner["worker_hours"] / static["worker_hours"]) if static["worker_hours"]
             else 0.0,
             "decisions": [d.to_dict() for d in result.decisions if d.changed]}
+
+
+def _split_text(split: dict[str, int]) -> str:
+    return "+".join(f"{n}{pool[0].upper()}" for pool, n in split.items())
 
 
 def settings_from(planner: PlannerSection, base: SimSettings) -> SimSettings:
