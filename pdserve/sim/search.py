@@ -183,7 +183,7 @@ def best_static(reqs: list[TraceRequest], settings: SimSettings, target: float, 
             got = _best_split(reqs, settings, total, round(share * total), cache, first_step)
             climbed["share"] = got["split"]["prefill"] / total
         if say is not None:
-            say(f"static split search for {target:.1%}: {total} workers, at best {_split_text(got['split'])} "
+            say(f"static split search for {target:.2%}: {total} workers, at best {_split_text(got['split'])} "
                 f"meets {got['attainment']:.2%} ({len(cache)} runs, {time.perf_counter() - t0:.0f} s)")
         return got
 
