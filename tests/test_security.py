@@ -238,7 +238,10 @@ def test_a_joining_driver_takes_token_mode_where_ray_start_would(source, tmp_pat
 
     monkeypatch.setenv("HOME", str(tmp_path))
     for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(var, raising=False)
+        # Set first, so that the mode the function sets is undone after the test even where the
+        # variable was unset (delenv of an unset variable records nothing to put back).
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     if source == "env":
         monkeypatch.setenv("RAY_AUTH_TOKEN", "t")
     elif source == "path":
