@@ -173,16 +173,18 @@ def best_static(reqs: list[TraceRequest], settings: SimSettings, target: float, 
     # The best split's prefill share at the last total climbed: the next total's climb starts
     # there in small steps, as the best share moves little between nearby totals. Every climb
     # from the start's share in steps of an eighth took the Azure code trace at 64 workers 56 runs.
-    climbed: dict[str, float] = {}
+    climbed: float | None = None
 
     def best_at(total: int) -> dict:
+        nonlocal climbed
+        runs = len(cache)
         if colocated:
             got = _static_run(reqs, settings, {"colocated": total}, cache)
         else:
-            share, first_step = (climbed["share"], total // 32) if climbed else (start_share, total // 8)
+            share, first_step = (start_share, total // 8) if climbed is None else (climbed, total // 32)
             got = _best_split(reqs, settings, total, round(share * total), cache, first_step)
-            climbed["share"] = got["split"]["prefill"] / total
-        if say is not None:
+            climbed = got["split"]["prefill"] / total
+        if say is not None and len(cache) > runs:  # a total the cache answered whole was said before
             say(f"static split search for {target:.2%}: {total} workers, at best {_split_text(got['split'])} "
                 f"meets {got['attainment']:.2%} ({len(cache)} runs, {time.perf_counter() - t0:.0f} s)")
         return got
