@@ -15,8 +15,15 @@ at once, and each block starts with empty queues (no backlog carried over). A pl
 reacts to what it observes cannot do better, so a small bound says the trace leaves a planner
 little to win against a static split chosen in hindsight.
 
+A large bound says only that the blocks differ, not that a planner can tell in advance how.
+The causal schedules (`lagged`) ask that: each block is sized from the exact curves of the blocks
+before it (the last 1, 2 or 4, or all of them), as no planner's model knows them, with the
+multiplier that trades workers for requests met chosen in hindsight, workers that start at once
+and no rule against growing back. Where even they spend more than the static split, what the
+trace's past says about its next minutes is worth less than a split fitted to its whole hour.
+
 Run: .venv/bin/python bench/planner_bound.py --trace ../shared/traces/AzureLLMInferenceTrace_code.csv
-     --workers 64 [--block-s 300] [--vary prefill] [--out bench/out/planner_bound.json]
+     --workers 64 [--block-s 300] [--vary prefill] [--split P:D] [--out bench/out/planner_bound.json]
 """
 
 from __future__ import annotations
@@ -39,12 +46,14 @@ from router.planner import StaticPlanner  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out"
 PLATEAU = 0.999  # a block met this well needs no bigger pool
+LAGS = (1, 2, 4, 0)  # the causal schedules: sized from the last 1, 2, 4 blocks' curves, and from all before
 
 
 def block_curves(blocks: list[list], settings: SimSettings, vary: str, fixed: dict[str, int], top: int,
-                 ) -> list[dict[int, int]]:
-    """Per block: requests met at each size of the varied pool, served alone by a static split."""
-    step = max(1, top // 40)
+                 grid: int = 40) -> list[dict[int, int]]:
+    """Per block: requests met at each of about `grid` sizes of the varied pool up to `top`,
+    served alone by a static split."""
+    step = max(1, top // grid)
     curves = []
     for reqs in blocks:
         met: dict[int, int] = {}
@@ -70,6 +79,35 @@ def cheapest(curves: list[dict[int, int]], spans_h: list[float], fixed_size: int
         hours = sum((n + fixed_size) * h for n, h in zip(sizes, spans_h, strict=True))
         if met >= target * total and (best is None or hours < best["worker_hours"]):
             best = {"attainment": met / total, "worker_hours": hours, "sizes": sizes}
+    return best
+
+
+def lagged(curves: list[dict[int, int]], counts: list[int], spans_h: list[float], fixed_size: int, total: int,
+           target: float, start: int, lag: int = 0) -> dict | None:
+    """The causal counterpart of `optimum`: each block's size chosen from the blocks before it
+    only, as well as a planner could that knew their curves exactly. Block 0 runs `start`; each
+    later one the size minimizing size x hours - multiplier x its predicted requests met, where
+    the prediction is the mean share met at that size over the last `lag` blocks (0: all before),
+    times their mean requests. The multiplier is the cheapest that meets `target` over the whole
+    trace, chosen in hindsight, and workers start at once with no rule against growing back: it
+    is optimistic for a planner, so where it spends more than the static split, a planner that
+    learns the load from what it has seen does too."""
+    sizes = sorted({k for c in curves for k in c})
+    shares = [{n: met_at(c, n) / max(k, 1) for n in sizes} for c, k in zip(curves, counts, strict=True)]
+    predicted: list[dict[int, float]] = [{}]
+    for b in range(1, len(curves)):
+        past = range(max(0, b - lag) if lag else 0, b)
+        seen = sum(counts[j] for j in past) / len(past)
+        predicted.append({n: seen * sum(shares[j][n] for j in past) / len(past) for n in sizes})
+    best = None
+    for i in range(2001):
+        lam = 10 ** (-6 + 7 * i / 2000)  # requests met are worth 1e-6 to 10 worker-hours each
+        plan = [start] + [min(sizes, key=lambda n, p=p, h=h: n * h - lam * p[n])
+                          for p, h in zip(predicted[1:], spans_h[1:], strict=True)]
+        met = sum(met_at(c, n) for c, n in zip(curves, plan, strict=True))
+        hours = sum((n + fixed_size) * h for n, h in zip(plan, spans_h, strict=True))
+        if met >= target * total and (best is None or hours < best["worker_hours"]):
+            best = {"attainment": met / total, "worker_hours": hours, "sizes": plan}
     return best
 
 
@@ -178,6 +216,13 @@ def report(out: dict, static: dict) -> None:
             b = out[key]
             print(f"{what}: {b['attainment']:.1%} in {b['worker_hours']:.1f} worker-h, {out[saved]:.1%} fewer; "
                   f"sizes {b['sizes']}")
+    for lag, b in out["causal"].items():
+        past = "all blocks before" if lag == "0" else f"the {lag} block(s) before"
+        if b is None:
+            print(f"causal, sized from {past}: never reaches the static split's attainment")
+        else:
+            print(f"causal, sized from {past}: {b['attainment']:.1%} in {b['worker_hours']:.1f} worker-h, "
+                  f"{b['saved']:+.1%} fewer; sizes {b['sizes']}")
 
 
 def main() -> int:
@@ -190,6 +235,9 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.9)
     ap.add_argument("--hold-s", type=float, default=600.0,
                     help="for the steady bound: no pool grows within this long of shrinking (the issue's 10 minutes)")
+    ap.add_argument("--grid", type=int, default=40,
+                    help="pool sizes tried per block, up to 3x the static split's (at 512 workers, 40 steps by 25)")
+    ap.add_argument("--split", help="the best static split as P:D, when known (skips the search)")
     ap.add_argument("--out", default=str(OUT / "planner_bound.json"))
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -201,15 +249,22 @@ def main() -> int:
     settings = settings_from(planner, base)
     reqs = parse_trace(args.trace)
     reqs, _ = scale_to_workers(reqs, settings, args.target, args.workers)
-    static = best_static(reqs, settings, args.target, sized_split(reqs, settings, args.target, cheapest=True),
-                         cache={})
+    if args.split:  # the search's answer from an earlier run (at 512 workers it takes ~10 minutes)
+        given = dict(zip(("prefill", "decode"), (int(x) for x in args.split.split(":")), strict=True))
+        static = {**simulate(reqs, settings, StaticPlanner(given), given)[1], "split": given}
+    else:
+        static = best_static(reqs, settings, args.target, sized_split(reqs, settings, args.target, cheapest=True),
+                             cache={})
     split = static["split"]
     other = "decode" if args.vary == "prefill" else "prefill"
     blocks, starts, spans = split_blocks(reqs, args.block_s)
-    curves = block_curves(blocks, settings, args.vary, {other: split[other]}, 3 * split[args.vary])
+    curves = block_curves(blocks, settings, args.vary, {other: split[other]}, 3 * split[args.vary], args.grid)
     bound = cheapest(curves, spans, split[other], len(reqs), static["attainment"])
     exact = optimum(curves, starts, spans, split[other], len(reqs), static["attainment"])
     steady = optimum(curves, starts, spans, split[other], len(reqs), static["attainment"], args.hold_s)
+    counts = [len(b) for b in blocks]
+    causal = {lag: lagged(curves, counts, spans, split[other], len(reqs), static["attainment"], split[args.vary], lag)
+              for lag in LAGS}
     # The static split on the same accounting (blocks' spans, no drain after the last arrival).
     static_h = (split["prefill"] + split["decode"]) * sum(spans)
     out = {"trace": args.trace, "workers": args.workers, "block_s": args.block_s, "vary": args.vary,
@@ -219,6 +274,9 @@ def main() -> int:
            "exact": exact, "most_saved_exact": 1 - exact["worker_hours"] / static_h if exact else None,
            "hold_s": args.hold_s, "bound_steady": steady,
            "most_saved_steady": 1 - steady["worker_hours"] / static_h if steady else None,
+           # Keyed by how many blocks before each one it learns from ("0": all of them).
+           "causal": {str(lag): {**got, "saved": 1 - got["worker_hours"] / static_h} if got else None
+                      for lag, got in causal.items()},
            "wall_s": time.perf_counter() - t0}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

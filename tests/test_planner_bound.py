@@ -1,10 +1,10 @@
-"""bench/planner_bound.py's exact schedule search on hand-built block curves whose optimum is known."""
+"""bench/planner_bound.py's schedule searches on hand-built block curves whose answers are known."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.planner_bound import cheapest, optimum
+from bench.planner_bound import cheapest, lagged, optimum
 
 
 def test_optimum_meets_the_target_in_the_fewest_worker_hours():
@@ -40,3 +40,26 @@ def test_optimum_does_not_grow_a_pool_back_within_the_hold():
     assert held["sizes"] == [3, 3, 3] and held["worker_hours"] == pytest.approx(9 / 12)
     # A hold shorter than a block binds nothing.
     assert optimum(curves, starts, spans, fixed_size=0, total=30, target=1.0, hold_s=300.0)["sizes"] == [3, 1, 3]
+
+
+NEEDS_3 = {1: 0, 2: 5, 3: 10}  # a block of 10 requests that only 3 workers meet whole
+NEEDS_1 = {1: 10, 2: 10, 3: 10}  # one that 1 worker meets
+
+
+def test_the_causal_schedule_follows_a_load_its_past_predicts():
+    # The load falls and stays down: sized from the block before, the schedule shrinks one block
+    # late, and spends 11 worker-h where the static split (3 throughout) spends 15.
+    curves = [NEEDS_3, NEEDS_3, NEEDS_1, NEEDS_1, NEEDS_1]
+    got = lagged(curves, [10] * 5, [1.0] * 5, fixed_size=0, total=50, target=1.0, start=3, lag=1)
+    assert got == {"attainment": 1.0, "worker_hours": 11.0, "sizes": [3, 3, 3, 1, 1]}
+
+
+def test_the_causal_schedule_gains_nothing_where_the_past_misleads():
+    # Heavy and light blocks alternate. Hindsight runs 3, 1, 3, 1 (8 worker-h); sized from the
+    # block before, every heavy block follows a light one and misses whole.
+    curves = [NEEDS_3, NEEDS_1, NEEDS_3, NEEDS_1]
+    assert optimum(curves, [0.0, 3600.0, 7200.0, 10800.0], [1.0] * 4, 0, 40, 1.0)["worker_hours"] == 8.0
+    assert lagged(curves, [10] * 4, [1.0] * 4, fixed_size=0, total=40, target=1.0, start=3, lag=1) is None
+    # Sized from every block before, it keeps 3 workers: the static split's 12 worker-h.
+    got = lagged(curves, [10] * 4, [1.0] * 4, fixed_size=0, total=40, target=1.0, start=3, lag=0)
+    assert got == {"attainment": 1.0, "worker_hours": 12.0, "sizes": [3, 3, 3, 3]}
