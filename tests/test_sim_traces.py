@@ -40,6 +40,19 @@ def test_mooncake_trace_matches_its_readme():
     assert len(first.hash_ids) == -(-first.prompt_len // 512)  # one id per 512-token block
 
 
+def test_azure_timestamps_with_an_offset_or_no_fraction(tmp_path):
+    # Written with an offset, a whole second has no fraction; times in other offsets are the
+    # same instants in UTC.
+    (tmp_path / "t.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                    "2024-05-10 00:00:00.009930+00:00,100,10\n"
+                                    "2024-05-10 00:00:01+00:00,200,20\n"
+                                    "2024-05-10 02:00:01.5+02:00,300,30\n"
+                                    "2024-05-10 00:00:02.2500000,400,40\n")
+    reqs = load_trace(tmp_path / "t.csv")
+    assert [r.arrival_s for r in reqs] == pytest.approx([0.0, 0.99007, 1.49007, 2.24007])
+    assert [r.prompt_len for r in reqs] == [100, 200, 300, 400]
+
+
 def test_bad_files_are_refused(tmp_path):
     (tmp_path / "a.csv").write_text("time,in,out\n1,2,3\n")
     with pytest.raises(ValueError, match="not an Azure"):

@@ -2,7 +2,8 @@
 loads (Poisson, bursty, diurnal).
 
 - Azure LLM inference CSV: `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as
-  `YYYY-MM-DD HH:MM:SS.fffffff` (seven fractional digits; Python parses six).
+  `YYYY-MM-DD HH:MM:SS.fffffff` (seven fractional digits; Python parses six), optionally with a
+  UTC offset.
 - Mooncake JSON lines: `timestamp` (ms from the start), `input_length`, `output_length`,
   `hash_ids` (one id per 512-token prompt block; equal ids mark a shared prefix).
 
@@ -16,7 +17,7 @@ import json
 import math
 import random
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
@@ -31,8 +32,13 @@ class TraceRequest:
 
 
 def _azure_time(text: str) -> datetime:
-    day, _, frac = text.strip().partition(".")
-    return datetime.fromisoformat(f"{day}.{(frac + '000000')[:6]}" if frac else day)
+    """A TIMESTAMP as naive UTC. The 2023 traces write seven fractional digits and no offset;
+    a trace written with an offset (`+00:00`) drops the fraction where it is zero, and mixing
+    aware and naive times would make the first arrival unfindable."""
+    day, _, rest = text.strip().partition(".")
+    digits = rest[:len(rest) - len(rest.lstrip("0123456789"))]
+    t = datetime.fromisoformat(f"{day}.{(digits + '000000')[:6]}{rest[len(digits):]}" if digits else day + rest)
+    return t.astimezone(UTC).replace(tzinfo=None) if t.tzinfo else t
 
 
 def _load_azure(path: Path) -> list[TraceRequest]:
