@@ -33,7 +33,7 @@ class TraceRequest:
 
 def _azure_time(text: str) -> datetime:
     """A TIMESTAMP as naive UTC. The 2023 traces write seven fractional digits and no offset;
-    a trace written with an offset (`+00:00`) drops the fraction where it is zero, and mixing
+    a trace written with an offset (`+00:00`) may drop the fraction where it is zero, and mixing
     aware and naive times would make the first arrival unfindable."""
     day, _, rest = text.strip().partition(".")
     digits = rest[:len(rest) - len(rest.lstrip("0123456789"))]
