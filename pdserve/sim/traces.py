@@ -2,8 +2,7 @@
 loads (Poisson, bursty, diurnal).
 
 - Azure LLM inference CSV: `TIMESTAMP,ContextTokens,GeneratedTokens`, timestamps as
-  `YYYY-MM-DD HH:MM:SS.fffffff` (seven fractional digits; Python parses six), optionally with a
-  UTC offset.
+  `YYYY-MM-DD HH:MM:SS.fffffff` (seven fractional digits), optionally with a UTC offset.
 - Mooncake JSON lines: `timestamp` (ms from the start), `input_length`, `output_length`,
   `hash_ids` (one id per 512-token prompt block; equal ids mark a shared prefix).
 
@@ -32,12 +31,11 @@ class TraceRequest:
 
 
 def _azure_time(text: str) -> datetime:
-    """A TIMESTAMP as naive UTC. The 2023 traces write seven fractional digits and no offset;
-    a trace written with an offset (`+00:00`) may drop the fraction where it is zero, and mixing
-    aware and naive times would make the first arrival unfindable."""
-    day, _, rest = text.strip().partition(".")
-    digits = rest[:len(rest) - len(rest.lstrip("0123456789"))]
-    t = datetime.fromisoformat(f"{day}.{(digits + '000000')[:6]}{rest[len(digits):]}" if digits else day + rest)
+    """A TIMESTAMP as naive UTC. Python 3.11 parses the 2023 traces' seven fractional digits
+    (truncated to six) and a UTC offset; a trace written with an offset (`+00:00`) may drop the
+    fraction where it is zero, and mixing aware and naive times would make the first arrival
+    unfindable."""
+    t = datetime.fromisoformat(text.strip())
     return t.astimezone(UTC).replace(tzinfo=None) if t.tzinfo else t
 
 
