@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pdcommon.config import PlannerSection, PoolLimits  # noqa: E402
 from pdcommon.step_cost import StepCostModel  # noqa: E402
 from pdserve.sim.cluster import SimResult, SimSettings  # noqa: E402
-from pdserve.sim.command import default_profile, parse_trace  # noqa: E402
+from pdserve.sim.command import default_profile, parse_split, parse_trace  # noqa: E402
 from pdserve.sim.report import met  # noqa: E402
 from pdserve.sim.search import best_static, run_planner, scale_to_workers, settings_from, simulate, sized_split  # noqa: E402
 from router.planner import StaticPlanner  # noqa: E402
@@ -80,7 +80,7 @@ def main() -> int:
     start = sized_split(reqs, settings, cfg.target_attainment, cheapest=True)  # as pdserve simulate starts
     planned, planner = run_planner(reqs, settings, cfg, start)
     if args.static:
-        split = dict(zip(POOLS, (int(x) for x in args.static.split(":")), strict=True))
+        split = parse_split(args.static)
     else:
         split = best_static(reqs, settings, planner["attainment"], start, cache={})["split"]
     fixed, static = simulate(reqs, settings, StaticPlanner(split), split)

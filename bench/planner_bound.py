@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pdcommon.config import PlannerSection, PoolLimits  # noqa: E402
 from pdcommon.step_cost import StepCostModel  # noqa: E402
 from pdserve.sim.cluster import SimSettings  # noqa: E402
-from pdserve.sim.command import default_profile, parse_trace  # noqa: E402
+from pdserve.sim.command import default_profile, parse_split, parse_trace  # noqa: E402
 from pdserve.sim.search import best_static, scale_to_workers, settings_from, simulate, sized_split  # noqa: E402
 from router.planner import StaticPlanner  # noqa: E402
 
@@ -250,7 +250,7 @@ def main() -> int:
     reqs = parse_trace(args.trace)
     reqs, _ = scale_to_workers(reqs, settings, args.target, args.workers)
     if args.split:  # the search's answer from an earlier run (at 512 workers it takes ~10 minutes)
-        given = dict(zip(("prefill", "decode"), (int(x) for x in args.split.split(":")), strict=True))
+        given = parse_split(args.split, flag="--split")
         static = {**simulate(reqs, settings, StaticPlanner(given), given)[1], "split": given}
     else:
         static = best_static(reqs, settings, args.target, sized_split(reqs, settings, args.target, cheapest=True),

@@ -92,7 +92,7 @@ def run(args, say: Callable[[str], None] | None = None) -> dict:
                     "ttft_factor": planner.ttft_slo_factor, "tpot_factor": planner.tpot_slo_factor},
            "planner_config": planner.model_dump()}
     if args.static:
-        split = _split(args.static, settings.roles)
+        split = parse_split(args.static, settings.roles)
         _, out["static"] = simulate(reqs, settings, StaticPlanner(split), split)
         out["static"]["split"] = split
     else:
@@ -101,10 +101,12 @@ def run(args, say: Callable[[str], None] | None = None) -> dict:
     return out
 
 
-def _split(text: str, roles: tuple[str, ...]) -> dict[str, int]:
+def parse_split(text: str, roles: tuple[str, ...] = ("prefill", "decode"), flag: str = "--static",
+                ) -> dict[str, int]:
+    """A split written as `P:D` (or `C` colocated), one count per role."""
     parts = [int(x) for x in text.split(":")]
     if len(parts) != len(roles):
-        raise ValueError(f"--static wants {':'.join(r.upper()[0] for r in roles)} for this mode, got {text!r}")
+        raise ValueError(f"{flag} wants {':'.join(r.upper()[0] for r in roles)} for this mode, got {text!r}")
     return dict(zip(roles, parts, strict=True))
 
 
